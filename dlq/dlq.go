@@ -1,0 +1,119 @@
+// Package dlq owns txbox's dead-letter table: messages a consumer gave up on (source "inbox") and
+// outbox rows the relay must not publish or execute again (source "relay"). A dead letter waits for a
+// person to decide: inspect it, redrive it through the outbox, or discard it.
+package dlq
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/txbox/txbox/internal/sqlname"
+)
+
+// Source says which component gave up on a dead letter.
+type Source string
+
+const (
+	// SourceInbox marks a message a consumer could not process.
+	SourceInbox Source = "inbox"
+	// SourceRelay marks an outbox row the relay could not publish or must not execute again.
+	SourceRelay Source = "relay"
+)
+
+// Entry is one dead letter.
+type Entry struct {
+	Source         Source
+	Kind           string // "message" or "call"; empty means "message"
+	Topic          string
+	Consumer       string
+	DedupKey       string
+	PartitionKey   string
+	UUID           string
+	Payload        []byte
+	Metadata       map[string]string
+	IdempotencyKey string
+	// Reason is short and stable, for filtering and alerting: "attempts exhausted", "payload too large".
+	Reason string
+	// Error is the last error in full.
+	Error    string
+	Attempts int
+}
+
+// Execer is the part of pgx the writer needs; a pgx.Tx satisfies it.
+type Execer interface {
+	Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error)
+}
+
+// Writer adds dead letters. Components write them in the same transaction as the state change that
+// gives up on the message, so a message is never both pending and dead, nor neither.
+type Writer struct {
+	insert string
+}
+
+// NewWriter returns a Writer for the tables in schema ("" means "public").
+func NewWriter(schema string) (*Writer, error) {
+	quoted, err := sqlname.Schema(schema)
+	if err != nil {
+		return nil, fmt.Errorf("dlq: %w", err)
+	}
+	return &Writer{insert: sqlname.Render(insertSQL, quoted)}, nil
+}
+
+// Add writes e through tx.
+func (w *Writer) Add(ctx context.Context, tx Execer, e Entry) error {
+	kind := e.Kind
+	if kind == "" {
+		kind = "message"
+	}
+	meta := e.Metadata
+	if meta == nil {
+		meta = map[string]string{}
+	}
+	metaJSON, err := json.Marshal(meta)
+	if err != nil {
+		return fmt.Errorf("dlq: encode metadata: %w", err)
+	}
+	var idem *string
+	if e.IdempotencyKey != "" {
+		idem = &e.IdempotencyKey
+	}
+	payload := e.Payload
+	if payload == nil {
+		payload = []byte{}
+	}
+	_, err = tx.Exec(ctx, w.insert, string(e.Source), kind, e.Topic, e.Consumer, e.DedupKey, e.PartitionKey,
+		e.UUID, payload, string(metaJSON), idem, e.Reason, e.Error, e.Attempts)
+	if err != nil {
+		return fmt.Errorf("dlq: add %s letter for %s: %w", e.Source, e.UUID, err)
+	}
+	return nil
+}
+
+// Querier is the part of pgx the read side needs; *pgxpool.Pool satisfies it.
+type Querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Depth is the number of dead letters from one source and the age of the oldest, in seconds.
+type Depth struct {
+	Count            int64
+	OldestAgeSeconds float64
+}
+
+// Stats returns the dead-letter depth per source, by the database's clock.
+func Stats(ctx context.Context, db Querier, schema string) (map[Source]Depth, error) {
+	quoted, err := sqlname.Schema(schema)
+	if err != nil {
+		return nil, fmt.Errorf("dlq: %w", err)
+	}
+	var in, out Depth
+	err = db.QueryRow(ctx, sqlname.Render(statsSQL, quoted)).Scan(&in.Count, &in.OldestAgeSeconds, &out.Count, &out.OldestAgeSeconds)
+	if err != nil {
+		return nil, fmt.Errorf("dlq: stats: %w", err)
+	}
+	return map[Source]Depth{SourceInbox: in, SourceRelay: out}, nil
+}

@@ -1,0 +1,29 @@
+// Package inbox is a Watermill handler middleware that makes message processing effectively once.
+//
+// # How
+//
+// For each message the middleware opens a PostgreSQL transaction and inserts (consumer, dedup key)
+// into the inbox table with ON CONFLICT DO NOTHING. If the row already exists the message was
+// processed before: it is acknowledged without calling the handler. Otherwise the handler runs with
+// the transaction in its context (TxFromContext); its business writes, the messages it writes with
+// the outbox, and the messages it returns (written into the outbox for the handler's publish topic,
+// never published directly by the router) all commit together with the inbox row. A handler error
+// rolls everything back and is returned, so Watermill's retry and nack work as usual.
+//
+// A redelivery that races the first delivery waits on the inbox row's lock and then sees the
+// committed row, so two consumer instances never both run the handler for one message.
+//
+// # Attempts and dead letters
+//
+// With MaxAttempts set, each delivery is counted in its own small transaction before the handler
+// runs. A message that fails, or kills the process, MaxAttempts times is moved to the dead-letter
+// table on its next delivery and acknowledged. A message with no usable id, a payload over the
+// limit, or a handler error wrapping ErrUnprocessable goes there at once.
+//
+// # Middleware order
+//
+// Put the inbox innermost (added last, after Watermill's Retry middleware), so each retry is a new
+// transaction and a new counted attempt:
+//
+//	router.AddMiddleware(middleware.Retry{MaxRetries: 3}.Middleware, ib.Middleware)
+package inbox

@@ -1,0 +1,104 @@
+// Package kafkatest gives tests a Kafka cluster reached over TCP through the same sarama and
+// watermill-kafka code production uses: the cluster named by TXBOX_KAFKA_BROKERS when it is set,
+// otherwise an in-process kfake cluster on loopback, one per test binary.
+package kafkatest
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/twmb/franz-go/pkg/kfake"
+)
+
+// EnvVar switches the tests to a real cluster: a comma-separated broker list.
+const EnvVar = "TXBOX_KAFKA_BROKERS"
+
+var (
+	once    sync.Once
+	brokers []string
+	cluster *kfake.Cluster
+	fakeErr error
+)
+
+// Brokers returns the broker addresses for this test binary.
+func Brokers(t testing.TB) []string {
+	t.Helper()
+	once.Do(func() {
+		if env := os.Getenv(EnvVar); env != "" {
+			brokers = strings.Split(env, ",")
+			return
+		}
+		cluster, fakeErr = Start()
+		if fakeErr == nil {
+			brokers = cluster.ListenAddrs()
+		}
+	})
+	if fakeErr != nil {
+		t.Fatalf("kafkatest: start the in-process Kafka cluster: %v (or set %s to a real cluster)", fakeErr, EnvVar)
+	}
+	return brokers
+}
+
+// Start starts an in-process cluster on loopback, tuned for fast tests: topics are created on first
+// use and consumer groups accept short session timeouts.
+func Start(opts ...kfake.Opt) (*kfake.Cluster, error) {
+	base := []kfake.Opt{
+		kfake.NumBrokers(1),
+		kfake.AllowAutoTopicCreation(),
+		kfake.DefaultNumPartitions(3),
+		kfake.GroupMinSessionTimeout(100 * time.Millisecond),
+	}
+	return kfake.NewCluster(append(base, opts...)...)
+}
+
+// Topic returns a topic name unique to this call, so tests sharing a cluster do not see each
+// other's messages.
+func Topic(t testing.TB) string {
+	b := make([]byte, 6)
+	_, _ = rand.Read(b)
+	name := strings.NewReplacer("/", "_", " ", "_", "#", "_").Replace(t.Name())
+	if len(name) > 100 {
+		name = name[:100]
+	}
+	return "test_" + name + "_" + hex.EncodeToString(b)
+}
+
+// SubscriberConfig returns a watermill-kafka subscriber configuration that reads only committed
+// transactions from the oldest offset, with short timeouts for tests.
+func SubscriberConfig(brokers []string, group string) kafka.SubscriberConfig {
+	c := kafka.DefaultSaramaSubscriberConfig()
+	c.Version = sarama.V2_8_0_0
+	c.Consumer.IsolationLevel = sarama.ReadCommitted
+	c.Consumer.Offsets.Initial = sarama.OffsetOldest
+	c.Consumer.Offsets.AutoCommit.Interval = 100 * time.Millisecond
+	c.Consumer.Group.Session.Timeout = 2 * time.Second
+	c.Consumer.Group.Heartbeat.Interval = 200 * time.Millisecond
+	c.Consumer.Group.Rebalance.Timeout = 3 * time.Second
+	c.Metadata.Retry.Backoff = 100 * time.Millisecond
+	return kafka.SubscriberConfig{
+		Brokers:               brokers,
+		Unmarshaler:           kafka.DefaultMarshaler{},
+		OverwriteSaramaConfig: c,
+		ConsumerGroup:         group,
+	}
+}
+
+// NewSubscriber returns a read_committed watermill-kafka subscriber in consumer group group, closed
+// when the test ends.
+func NewSubscriber(t testing.TB, group string) *kafka.Subscriber {
+	t.Helper()
+	sub, err := kafka.NewSubscriber(SubscriberConfig(Brokers(t), group), watermill.NopLogger{})
+	if err != nil {
+		t.Fatalf("kafkatest: subscriber: %v", err)
+	}
+	t.Cleanup(func() { _ = sub.Close() })
+	return sub
+}

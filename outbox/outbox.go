@@ -1,0 +1,166 @@
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/txbox/txbox/internal/sqlname"
+)
+
+// Execer is the part of pgx the outbox needs. pgx.Tx satisfies it, and so do *pgx.Conn and
+// *pgxpool.Pool for writes that need no transaction of their own.
+type Execer interface {
+	Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error)
+}
+
+// Slots is the number of slots the outbox hashes partition keys into. It is part of the stored
+// format and never changes; relay shards are sets of slots.
+const Slots = 256
+
+// PartitionKeyMetadata is the metadata key that carries a message's partition key. The relay uses it
+// as the Kafka record key, and the outbox uses it to keep messages with one key in order.
+const PartitionKeyMetadata = "txbox_partition_key"
+
+// DefaultMaxPayloadBytes is the payload limit when Config.MaxPayloadBytes is zero: Kafka's default
+// maximum record size, less room for headers.
+const DefaultMaxPayloadBytes = 1000 * 1000
+
+// reservedMetadata may not be set by callers: watermill-kafka's marshaler stores the UUID under it.
+const reservedMetadata = "_watermill_message_uuid"
+
+// ErrInvalidMessage is returned (wrapped) for a message that can never be published: no topic, no
+// UUID, a reserved metadata key, or a payload over the limit. Nothing is written for the call.
+var ErrInvalidMessage = errors.New("outbox: invalid message")
+
+// Config configures a Writer.
+type Config struct {
+	// Schema is the PostgreSQL schema holding txbox's tables. If not specified, defaults to "public".
+	Schema string
+	// MaxPayloadBytes rejects larger payloads when they are written, rather than when the broker
+	// refuses them. If not specified, defaults to DefaultMaxPayloadBytes.
+	MaxPayloadBytes int
+}
+
+// Writer writes messages into the outbox. It is safe for concurrent use.
+type Writer struct {
+	insertMessages  string
+	maxPayloadBytes int
+}
+
+// New validates cfg and returns a Writer.
+func New(cfg Config) (*Writer, error) {
+	schema, err := sqlname.Schema(cfg.Schema)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: Config.Schema: %w", err)
+	}
+	if cfg.MaxPayloadBytes < 0 {
+		return nil, fmt.Errorf("outbox: Config.MaxPayloadBytes must not be negative, got %d", cfg.MaxPayloadBytes)
+	}
+	if cfg.MaxPayloadBytes == 0 {
+		cfg.MaxPayloadBytes = DefaultMaxPayloadBytes
+	}
+	return &Writer{
+		insertMessages:  sqlname.Render(insertMessagesSQL, schema),
+		maxPayloadBytes: cfg.MaxPayloadBytes,
+	}, nil
+}
+
+// SetPartitionKey sets the key that orders msg relative to other messages with the same key and
+// becomes its Kafka record key. It returns msg for chaining.
+func SetPartitionKey(msg *message.Message, key string) *message.Message {
+	msg.Metadata.Set(PartitionKeyMetadata, key)
+	return msg
+}
+
+// Publish writes msgs for topic into the outbox through tx. The trace context of ctx is stored in
+// each message's metadata (through the global OpenTelemetry propagator) so the consumer continues
+// the trace. Nothing is written if any message is invalid.
+func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*message.Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	if topic == "" {
+		return fmt.Errorf("%w: empty topic", ErrInvalidMessage)
+	}
+	var (
+		slots    = make([]int16, len(msgs))
+		keys     = make([]string, len(msgs))
+		uuids    = make([]string, len(msgs))
+		payloads = make([][]byte, len(msgs))
+		metas    = make([]string, len(msgs))
+	)
+	for i, msg := range msgs {
+		if err := w.validate(msg); err != nil {
+			return err
+		}
+		md := make(message.Metadata, len(msg.Metadata)+1)
+		for k, v := range msg.Metadata {
+			md[k] = v
+		}
+		otel.GetTextMapPropagator().Inject(ctx, propagation.MapCarrier(md))
+		meta, err := json.Marshal(md)
+		if err != nil {
+			return fmt.Errorf("outbox: encode metadata of %s: %w", msg.UUID, err)
+		}
+		keys[i] = msg.Metadata.Get(PartitionKeyMetadata)
+		slots[i] = SlotOf(keys[i], msg.UUID)
+		uuids[i] = msg.UUID
+		payloads[i] = msg.Payload
+		metas[i] = string(meta)
+	}
+	if _, err := tx.Exec(ctx, w.insertMessages, topic, slots, keys, uuids, payloads, metas); err != nil {
+		return fmt.Errorf("outbox: insert %d message(s) for %q: %w", len(msgs), topic, err)
+	}
+	return nil
+}
+
+func (w *Writer) validate(msg *message.Message) error {
+	switch {
+	case msg == nil:
+		return fmt.Errorf("%w: nil message", ErrInvalidMessage)
+	case msg.UUID == "":
+		return fmt.Errorf("%w: empty UUID", ErrInvalidMessage)
+	case msg.Metadata.Get(reservedMetadata) != "":
+		return fmt.Errorf("%w: %s: metadata key %s is reserved", ErrInvalidMessage, msg.UUID, reservedMetadata)
+	case len(msg.Payload) > w.maxPayloadBytes:
+		return fmt.Errorf("%w: %s: payload of %d bytes is over the %d-byte limit", ErrInvalidMessage, msg.UUID, len(msg.Payload), w.maxPayloadBytes)
+	}
+	return nil
+}
+
+// SlotOf returns the slot of a partition key; messages without a key are spread by their UUID.
+func SlotOf(partitionKey, uuid string) int16 {
+	h := fnv.New32a()
+	if partitionKey != "" {
+		h.Write([]byte(partitionKey))
+	} else {
+		h.Write([]byte(uuid))
+	}
+	return int16(h.Sum32() % Slots)
+}
+
+// Publisher returns a Watermill message.Publisher that writes into tx, for code written against
+// Watermill's interface. It is valid only as long as tx is; Close does nothing.
+func (w *Writer) Publisher(ctx context.Context, tx Execer) message.Publisher {
+	return txPublisher{ctx: ctx, w: w, tx: tx}
+}
+
+type txPublisher struct {
+	ctx context.Context
+	w   *Writer
+	tx  Execer
+}
+
+func (p txPublisher) Publish(topic string, msgs ...*message.Message) error {
+	return p.w.Publish(p.ctx, p.tx, topic, msgs...)
+}
+
+func (txPublisher) Close() error { return nil }

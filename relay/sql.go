@@ -1,0 +1,49 @@
+package relay
+
+import "github.com/txbox/txbox/internal/sqlname"
+
+type queries struct {
+	lockLeases, liveOtherLayout, dropOtherLayout, createLeases,
+	heartbeat, forgetNode, liveNodes, pruneNodes,
+	acquire, renew, release, checkLease,
+	readMessages, deleteRows, stats string
+}
+
+func renderQueries(schema string) queries {
+	r := func(s string) string { return sqlname.Render(s, schema) }
+	return queries{
+		lockLeases:      r(`LOCK TABLE {schema}.txbox_lease IN EXCLUSIVE MODE`),
+		liveOtherLayout: r(`SELECT shards FROM {schema}.txbox_lease WHERE shards <> $1 AND owner IS NOT NULL AND expires_at > now() LIMIT 1`),
+		dropOtherLayout: r(`DELETE FROM {schema}.txbox_lease WHERE shards <> $1`),
+		createLeases: r(`INSERT INTO {schema}.txbox_lease (shard, shards)
+			SELECT s, $1 FROM generate_series(0, $1 - 1) AS s ON CONFLICT (shard) DO NOTHING`),
+
+		heartbeat: r(`INSERT INTO {schema}.txbox_relay_node (owner, expires_at) VALUES ($1, now() + $2 * interval '1 millisecond')
+			ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at`),
+		forgetNode: r(`DELETE FROM {schema}.txbox_relay_node WHERE owner = $1`),
+		liveNodes:  r(`SELECT count(*) FROM {schema}.txbox_relay_node WHERE expires_at > now()`),
+		pruneNodes: r(`DELETE FROM {schema}.txbox_relay_node WHERE expires_at < now() - interval '1 hour'`),
+
+		// Only a free or expired lease is taken, by the database's clock; the token comes from a
+		// sequence, so it is new even for the same owner.
+		acquire: r(`UPDATE {schema}.txbox_lease SET owner = $1, token = nextval('{schema}.txbox_lease_token'),
+				expires_at = now() + $2 * interval '1 millisecond'
+			WHERE shard IN (SELECT shard FROM {schema}.txbox_lease
+				WHERE shards = $3 AND expires_at <= now() ORDER BY shard LIMIT $4 FOR UPDATE SKIP LOCKED)
+			RETURNING shard, token`),
+		renew: r(`UPDATE {schema}.txbox_lease AS l SET expires_at = now() + $3 * interval '1 millisecond'
+			FROM unnest($1::int[], $2::bigint[]) AS h(shard, token)
+			WHERE l.shard = h.shard AND l.token = h.token
+			RETURNING l.shard`),
+		release: r(`UPDATE {schema}.txbox_lease SET owner = NULL, expires_at = '-infinity' WHERE shard = $1 AND token = $2`),
+		// The fence: every state change locks the lease row first. A takeover either committed
+		// before (the token differs: no row) or waits until this transaction ends.
+		checkLease: r(`SELECT 1 FROM {schema}.txbox_lease WHERE shard = $1 AND token = $2 FOR UPDATE`),
+
+		// Pending means present: a row that commits late is read whenever it becomes visible.
+		readMessages: r(`SELECT id, topic, partition_key, uuid, payload, metadata::text
+			FROM {schema}.txbox_outbox WHERE kind = 'message' AND slot = ANY($1) ORDER BY id LIMIT $2`),
+		deleteRows: r(`DELETE FROM {schema}.txbox_outbox WHERE id = ANY($1)`),
+		stats:      r(`SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM {schema}.txbox_outbox`),
+	}
+}
