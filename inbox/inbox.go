@@ -240,7 +240,7 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 	}
 
 	orig := msg.Context()
-	msg.SetContext(context.WithValue(orig, txKey{}, tx))
+	msg.SetContext(outbox.ContextWithSource(context.WithValue(orig, txKey{}, tx), ib.cfg.Consumer, key))
 	produced, err := h(msg)
 	msg.SetContext(orig)
 	if err != nil {

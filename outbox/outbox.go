@@ -164,3 +164,21 @@ func (p txPublisher) Publish(topic string, msgs ...*message.Message) error {
 }
 
 func (txPublisher) Close() error { return nil }
+
+type sourceKey struct{}
+
+type source struct{ consumer, dedupKey string }
+
+// ContextWithSource records which incoming message is being processed: the consumer and the
+// message's dedup key. Side-effect calls written under such a context derive their idempotency keys
+// from it, so a redelivery of the message yields the same keys. The inbox middleware sets it for
+// handlers.
+func ContextWithSource(ctx context.Context, consumer, dedupKey string) context.Context {
+	return context.WithValue(ctx, sourceKey{}, source{consumer: consumer, dedupKey: dedupKey})
+}
+
+// SourceFromContext returns what ContextWithSource recorded.
+func SourceFromContext(ctx context.Context) (consumer, dedupKey string, ok bool) {
+	s, ok := ctx.Value(sourceKey{}).(source)
+	return s.consumer, s.dedupKey, ok
+}

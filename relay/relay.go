@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -57,6 +58,9 @@ type Config struct {
 	// StatsInterval is how often backlog and dead-letter gauges are refreshed. If not specified,
 	// defaults to 10s.
 	StatsInterval time.Duration
+	// Calls, when set, makes the relay execute side-effect calls written with outbox.Call. If not
+	// specified, call rows are left pending.
+	Calls *CallConfig
 	// Logger receives the relay's logs. If not specified, slog.Default().
 	Logger *slog.Logger
 	// Registerer receives the relay's Prometheus metrics. If not specified, they are not registered.
@@ -130,6 +134,11 @@ func New(cfg Config) (*Relay, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
+	}
+	if cfg.Calls != nil {
+		if err := cfg.Calls.validate(); err != nil {
+			return nil, fmt.Errorf("relay: Config.Calls: %w", err)
+		}
 	}
 	dead, err := dlq.NewWriter(cfg.Schema)
 	if err != nil {
@@ -339,7 +348,24 @@ func (r *Relay) start(ctx context.Context, l *lease, lost chan<- *lease) {
 	r.log.Info("lease acquired", "shard", l.shard, "token", l.token)
 	go func() {
 		defer close(l.done)
-		if l.run() {
+		// Messages and calls of the shard run side by side; when either finds the lease fenced,
+		// both stop.
+		var fenced atomic.Bool
+		var wg sync.WaitGroup
+		workers := []func() bool{l.run}
+		if r.cfg.Calls != nil {
+			workers = append(workers, l.runCalls)
+		}
+		for _, work := range workers {
+			wg.Go(func() {
+				if work() {
+					fenced.Store(true)
+					l.cancel()
+				}
+			})
+		}
+		wg.Wait()
+		if fenced.Load() {
 			lost <- l
 		}
 	}()
