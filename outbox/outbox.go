@@ -114,6 +114,9 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 		slots[i] = SlotOf(keys[i], msg.UUID)
 		uuids[i] = msg.UUID
 		payloads[i] = msg.Payload
+		if payloads[i] == nil {
+			payloads[i] = []byte{} // An empty payload is valid; NULL is not.
+		}
 		metas[i] = string(meta)
 	}
 	if _, err := tx.Exec(ctx, w.insertMessages, topic, slots, keys, uuids, payloads, metas); err != nil {

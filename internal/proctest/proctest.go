@@ -1,0 +1,132 @@
+// Package proctest runs txbox commands as real OS processes in tests, so crash tests can kill
+// them with SIGKILL, pause them with SIGSTOP and restart them.
+package proctest
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+var (
+	buildOnce sync.Once
+	binary    string
+	buildErr  error
+)
+
+// Binary builds cmd/txbox once per test binary and returns its path.
+func Binary(t testing.TB) string {
+	t.Helper()
+	buildOnce.Do(func() {
+		_, file, _, _ := runtime.Caller(0)
+		root := filepath.Join(filepath.Dir(file), "..", "..")
+		dir, err := os.MkdirTemp("", "txbox-bin-")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		binary = filepath.Join(dir, "txbox")
+		cmd := exec.Command("go", "build", "-o", binary, "./cmd/txbox")
+		cmd.Dir = root
+		if out, err := cmd.CombinedOutput(); err != nil {
+			buildErr = fmt.Errorf("go build ./cmd/txbox: %w\n%s", err, out)
+		}
+	})
+	if buildErr != nil {
+		t.Fatalf("proctest: %v", buildErr)
+	}
+	return binary
+}
+
+// Proc is a running txbox process.
+type Proc struct {
+	t    testing.TB
+	cmd  *exec.Cmd
+	out  *syncBuffer
+	done chan struct{}
+	err  error
+}
+
+// Start runs the txbox binary with args and extra environment variables; the process is killed
+// when the test ends, and its output is logged if the test failed.
+func Start(t testing.TB, env []string, args ...string) *Proc {
+	t.Helper()
+	cmd := exec.Command(Binary(t), args...)
+	cmd.Env = append(os.Environ(), env...)
+	out := &syncBuffer{}
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("proctest: start %v: %v", args, err)
+	}
+	p := &Proc{t: t, cmd: cmd, out: out, done: make(chan struct{})}
+	go func() {
+		p.err = cmd.Wait()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		_ = p.cmd.Process.Signal(syscall.SIGCONT)
+		_ = p.cmd.Process.Kill()
+		<-p.done
+		if t.Failed() {
+			t.Logf("output of txbox %v:\n%s", args, out.String())
+		}
+	})
+	return p
+}
+
+// Signal sends sig to the process.
+func (p *Proc) Signal(sig syscall.Signal) {
+	p.t.Helper()
+	if err := p.cmd.Process.Signal(sig); err != nil {
+		p.t.Fatalf("proctest: signal %v: %v", sig, err)
+	}
+}
+
+// Wait waits for the process to exit, at most timeout, and returns its exit status: -1 when it was
+// killed by a signal.
+func (p *Proc) Wait(timeout time.Duration) int {
+	p.t.Helper()
+	select {
+	case <-p.done:
+	case <-time.After(timeout):
+		p.t.Fatalf("proctest: process did not exit within %s; output:\n%s", timeout, p.out.String())
+	}
+	return p.cmd.ProcessState.ExitCode()
+}
+
+// Exited reports whether the process has exited.
+func (p *Proc) Exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// Output returns what the process wrote so far.
+func (p *Proc) Output() string { return p.out.String() }
+
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
