@@ -1,6 +1,3 @@
-// Package dlq owns txbox's dead-letter table: messages a consumer gave up on (source "inbox") and
-// outbox rows the relay must not publish or execute again (source "relay"). A dead letter waits for a
-// person to decide: inspect it, redrive it through the outbox, or discard it.
 package dlq
 
 import (

@@ -27,6 +27,9 @@ type command struct {
 var commands = []command{
 	{"migrate", "apply, roll back or show txbox's schema migrations", runMigrate},
 	{"relay", "publish outbox rows to Kafka (runs until SIGINT or SIGTERM)", runRelay},
+	{"dlq", "list, show, redrive (paced) or discard dead letters", runDLQ},
+	{"retention", "delete inbox rows, attempt counters and call results txbox no longer needs", runRetention},
+	{"status", "show the dead-letter depth and the size of txbox's tables", runStatus},
 }
 
 // errUsage marks an error in how txbox was called: it exits with status 2, not 1.

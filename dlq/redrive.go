@@ -1,0 +1,302 @@
+package dlq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"golang.org/x/time/rate"
+
+	"github.com/txbox/txbox/outbox"
+)
+
+// DefaultRedriveBatchSize is RedriveOptions.BatchSize when it is not specified.
+const DefaultRedriveBatchSize = 100
+
+// RedriveOptions configures a redrive.
+type RedriveOptions struct {
+	// Rate is the most letters moved per second. Required: a redrive is new traffic for every
+	// consumer of the topics and for the APIs they call, and an unpaced "redrive all" is how a DLQ
+	// floods them. Set rate.Inf to move without a limit.
+	Rate rate.Limit
+	// Burst is how many letters may move at once before the rate applies; it is also the largest
+	// batch. If not specified, defaults to a tenth of a second's worth of Rate, at least 1 and at
+	// most BatchSize, so that consumers see a steady stream rather than a batch a second.
+	Burst int
+	// BatchSize is the most letters moved per transaction. If not specified, defaults to
+	// DefaultRedriveBatchSize; it is lowered to Burst when that is smaller.
+	BatchSize int
+	// DryRun plans the redrive, refusing what Redrive would refuse, and moves nothing.
+	DryRun bool
+	// Progress, when set, is called after each batch commits.
+	Progress func(RedriveProgress)
+}
+
+// RedriveProgress is the state of a running redrive.
+type RedriveProgress struct {
+	// Moved is how many letters have been moved so far.
+	Moved int
+	// Total is how many letters the filter selected when the redrive started.
+	Total int
+	// Elapsed is the time since the first batch started.
+	Elapsed time.Duration
+}
+
+// TopicCount is how many selected letters go to one topic.
+type TopicCount struct {
+	Topic   string
+	Kind    string
+	Letters int
+}
+
+// RedriveResult reports what a redrive did, or would do when it was a dry run.
+type RedriveResult struct {
+	// Planned is how many letters the filter selected when the redrive started.
+	Planned int
+	// Topics breaks Planned down by topic and kind, in the order of their lowest letter ids.
+	Topics []TopicCount
+	// Moved is how many letters were written back into the outbox and deleted from the DLQ.
+	Moved int
+	// Released is how many 'dead' inbox rows were deleted so that their consumers process the
+	// redriven messages.
+	Released int
+	// Elapsed is how long the moving took.
+	Elapsed time.Duration
+}
+
+// DB is what Redrive needs: it plans with one query and moves letters in transactions.
+// *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
+type DB interface {
+	TxBeginner
+	Queryer
+}
+
+// Redrive writes the messages of the letters f selects back into the outbox and deletes the
+// letters, so the relay publishes them again to their topics, with their UUIDs, payloads,
+// metadata and partition keys.
+//
+// Each batch is one transaction: it locks its letters (skipping letters another redrive holds, so
+// no letter moves twice), writes them with outbox.Writer.Publish, deletes the 'dead' inbox rows of
+// inbox letters so their consumers process the messages again, and deletes the letters. A
+// consumer that processed a message (an inbox row in state 'done') keeps that row and skips the
+// redriven copy. Cancelling ctx stops between batches, or rolls the current batch back; nothing
+// moves half-way, and running Redrive again continues.
+//
+// The selection is fixed when Redrive starts: letters added later, including messages that fail
+// again on their way back, wait for the next run. Letters are moved in id order; two redrives
+// running at once share the work but do not keep each other's order.
+//
+// Side-effect calls are refused (ErrCallNotRedrivable) before anything moves. An empty filter is
+// refused unless Filter.All is set (ErrEmptyFilter).
+func (a *Admin) Redrive(ctx context.Context, db DB, f Filter, opts RedriveOptions) (RedriveResult, error) {
+	if err := f.validate(); err != nil {
+		return RedriveResult{}, err
+	}
+	if f.IsEmpty() && !f.All {
+		return RedriveResult{}, ErrEmptyFilter
+	}
+	if math.IsNaN(float64(opts.Rate)) || opts.Rate <= 0 {
+		return RedriveResult{}, fmt.Errorf("dlq: RedriveOptions.Rate is required and must be positive, got %v; use rate.Inf for no limit", float64(opts.Rate))
+	}
+	if opts.BatchSize < 0 || opts.Burst < 0 {
+		return RedriveResult{}, fmt.Errorf("dlq: RedriveOptions.BatchSize and Burst must not be negative, got %d and %d", opts.BatchSize, opts.Burst)
+	}
+	if opts.BatchSize == 0 {
+		opts.BatchSize = DefaultRedriveBatchSize
+	}
+	if opts.Burst == 0 {
+		opts.Burst = opts.BatchSize
+		if tenth := float64(opts.Rate) / 10; tenth < float64(opts.Burst) {
+			opts.Burst = max(1, int(tenth))
+		}
+	}
+	// WaitN refuses more than Burst tokens at once.
+	opts.BatchSize = min(opts.BatchSize, opts.Burst)
+
+	res, w, err := a.plan(ctx, db, f)
+	if err != nil || opts.DryRun || res.Planned == 0 {
+		return res, err
+	}
+
+	limiter := rate.NewLimiter(opts.Rate, opts.Burst)
+	start := time.Now()
+	for res.Moved < res.Planned {
+		n := min(opts.BatchSize, res.Planned-res.Moved)
+		if err := limiter.WaitN(ctx, n); err != nil {
+			res.Elapsed = time.Since(start)
+			return res, fmt.Errorf("dlq: redrive stopped after %d of %d letters: %w", res.Moved, res.Planned, contextErr(ctx, err))
+		}
+		w.limit = n
+		moved, released, last, err := a.moveBatch(ctx, db, f, w)
+		res.Elapsed = time.Since(start)
+		if err != nil {
+			return res, fmt.Errorf("dlq: redrive stopped after %d of %d letters: %w", res.Moved, res.Planned, err)
+		}
+		res.Moved += moved
+		res.Released += released
+		if opts.Progress != nil && moved > 0 {
+			opts.Progress(RedriveProgress{Moved: res.Moved, Total: res.Planned, Elapsed: res.Elapsed})
+		}
+		if moved < n {
+			break // The rest went to another redrive, or was discarded meanwhile.
+		}
+		w.after = &last
+	}
+	return res, nil
+}
+
+// contextErr prefers ctx's own error: the limiter reports a cancellation in its own words.
+func contextErr(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return err
+}
+
+// plan counts the selection per topic, refuses calls, and fixes the selection's bounds.
+func (a *Admin) plan(ctx context.Context, db Queryer, f Filter) (RedriveResult, window, error) {
+	var (
+		res   RedriveResult
+		calls []int64
+		maxID int64
+		asOf  time.Time
+	)
+	rows, err := db.Query(ctx, a.sql.plan, f.args(window{limit: f.Limit})...)
+	if err != nil {
+		return res, window{}, fmt.Errorf("dlq: plan redrive: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var (
+			tc    TopicCount
+			first []int64
+			top   int64
+		)
+		if err := rows.Scan(&tc.Topic, &tc.Kind, &tc.Letters, &first, &top, &asOf); err != nil {
+			return res, window{}, fmt.Errorf("dlq: plan redrive: %w", err)
+		}
+		res.Topics = append(res.Topics, tc)
+		res.Planned += tc.Letters
+		maxID = max(maxID, top)
+		if tc.Kind == "call" {
+			calls = append(calls, first...)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return res, window{}, fmt.Errorf("dlq: plan redrive: %w", err)
+	}
+	if len(calls) > 0 {
+		n := 0
+		for _, tc := range res.Topics {
+			if tc.Kind == "call" {
+				n += tc.Letters
+			}
+		}
+		return res, window{}, fmt.Errorf("%w: the filter selects %d call letter(s), ids %s; exclude them with kind \"message\" (txbox dlq redrive --kind message)",
+			ErrCallNotRedrivable, n, idList(calls, n))
+	}
+	var from int64 // Identity ids start at 1.
+	return res, window{asOf: &asOf, after: &from, atMost: &maxID}, nil
+}
+
+// moveBatch moves up to w.limit letters in one transaction and returns how many it moved, how many
+// inbox rows it released, and the highest id it moved.
+func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window) (moved, released int, last int64, err error) {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return 0, 0, 0, fmt.Errorf("begin: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // A no-op after Commit.
+
+	rows, err := tx.Query(ctx, a.sql.lockBatch, f.args(w)...)
+	if err != nil {
+		return 0, 0, 0, fmt.Errorf("lock letters: %w", err)
+	}
+	letters, err := collectLetters(rows)
+	if err != nil {
+		return 0, 0, 0, fmt.Errorf("lock letters: %w", err)
+	}
+	if len(letters) == 0 {
+		return 0, 0, 0, nil
+	}
+
+	var (
+		ids                  = make([]int64, len(letters))
+		consumers, dedupKeys []string
+		byTopic              = map[string][]*message.Message{}
+		topics               []string
+		idsByTopic           = map[string][]int64{}
+	)
+	for i, l := range letters {
+		if l.Kind == "call" {
+			// Added after the plan was made: refuse it as the plan would have.
+			return 0, 0, 0, fmt.Errorf("%w: letter %d", ErrCallNotRedrivable, l.ID)
+		}
+		ids[i] = l.ID
+		if l.Source == SourceInbox && l.Consumer != "" {
+			consumers = append(consumers, l.Consumer)
+			dedupKeys = append(dedupKeys, l.DedupKey)
+		}
+		msg := message.NewMessage(l.UUID, l.Payload)
+		for k, v := range l.Metadata {
+			msg.Metadata.Set(k, v)
+		}
+		if l.PartitionKey != "" {
+			outbox.SetPartitionKey(msg, l.PartitionKey)
+		}
+		if _, ok := byTopic[l.Topic]; !ok {
+			topics = append(topics, l.Topic)
+		}
+		byTopic[l.Topic] = append(byTopic[l.Topic], msg)
+		idsByTopic[l.Topic] = append(idsByTopic[l.Topic], l.ID)
+	}
+	// Per topic, in id order: the outbox gives one call's messages ascending ids, so messages of a
+	// key leave in the order they came in. Across topics there is no order to keep.
+	for _, topic := range topics {
+		if err := a.outbox.Publish(ctx, tx, topic, byTopic[topic]...); err != nil {
+			if errors.Is(err, outbox.ErrInvalidMessage) {
+				return 0, 0, 0, fmt.Errorf("letters %s cannot go back to the outbox (discard the bad one): %w", idList(idsByTopic[topic], len(idsByTopic[topic])), err)
+			}
+			return 0, 0, 0, err
+		}
+	}
+	if len(consumers) > 0 {
+		tag, err := tx.Exec(ctx, a.sql.releaseDead, consumers, dedupKeys)
+		if err != nil {
+			return 0, 0, 0, fmt.Errorf("release inbox rows: %w", err)
+		}
+		released = int(tag.RowsAffected())
+	}
+	if _, err := tx.Exec(ctx, a.sql.deleteLetters, ids); err != nil {
+		return 0, 0, 0, fmt.Errorf("delete letters: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, 0, 0, fmt.Errorf("commit: %w", err)
+	}
+	return len(letters), released, ids[len(ids)-1], nil
+}
+
+// idList formats the first ids of total, for messages.
+func idList(ids []int64, total int) string {
+	const show = 10
+	s := ""
+	for i, id := range ids {
+		if i == show {
+			break
+		}
+		if i > 0 {
+			s += ", "
+		}
+		s += fmt.Sprint(id)
+	}
+	if total > min(len(ids), show) {
+		s += ", …"
+	}
+	return s
+}
+
+var _ DB = pgx.Tx(nil)

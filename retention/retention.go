@@ -1,0 +1,287 @@
+package retention
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/txbox/txbox/internal/sqlname"
+)
+
+// Defaults of Config.
+const (
+	DefaultInboxRetention      = 7 * 24 * time.Hour
+	DefaultCallResultRetention = 30 * 24 * time.Hour
+	DefaultBatchSize           = 1000
+	DefaultInterval            = time.Hour
+)
+
+// tables are the tables whose sizes are reported, in this order.
+var tables = []string{"txbox_outbox", "txbox_inbox", "txbox_inbox_attempt", "txbox_dlq", "txbox_call_result"}
+
+// DB is what the Cleaner needs from PostgreSQL; *pgxpool.Pool satisfies it. Each batch is one
+// statement, so a pool (not a transaction) is what keeps the locks short.
+type DB interface {
+	Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Config configures a Cleaner.
+type Config struct {
+	// DB holds txbox's tables. Required.
+	DB DB
+	// Schema is the PostgreSQL schema holding txbox's tables. If not specified, defaults to "public".
+	Schema string
+	// BrokerRetention is how long after a message was published the broker may still deliver it
+	// again: for Kafka, the longest retention.ms of the topics the consumers read, plus segment.ms,
+	// since a segment is deleted only once its newest record has expired. Required; there is no
+	// safe default, because an inbox that forgets a message before the broker does processes it
+	// twice.
+	BrokerRetention time.Duration
+	// InboxRetention is how long the inbox remembers a processed message. It must be longer than
+	// BrokerRetention; the difference is the margin for consumer lag and retries. If not
+	// specified, defaults to DefaultInboxRetention (7 days), which is too short for Kafka's
+	// default 7-day retention: set it explicitly there.
+	InboxRetention time.Duration
+	// CallResultRetention is how long the results of side-effect calls are kept for audit and
+	// reconciliation. If not specified, defaults to DefaultCallResultRetention (30 days).
+	CallResultRetention time.Duration
+	// BatchSize is the most rows one DELETE removes. If not specified, defaults to
+	// DefaultBatchSize (1000).
+	BatchSize int
+	// Interval is the time between Run's passes. If not specified, defaults to DefaultInterval
+	// (1 hour).
+	Interval time.Duration
+	// Logger receives a line per pass. If not specified, defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// Cleaner deletes the rows txbox no longer needs. Create it with New; it is safe for concurrent
+// use, and several Cleaners may run against one database (they skip each other's rows).
+type Cleaner struct {
+	cfg    Config
+	schema string // the plain name, for the catalog
+	sql    queries
+}
+
+// New applies defaults to cfg, validates it and returns a Cleaner.
+func New(cfg Config) (*Cleaner, error) {
+	if cfg.DB == nil {
+		return nil, errors.New("retention: Config.DB is required")
+	}
+	quoted, err := sqlname.Schema(cfg.Schema)
+	if err != nil {
+		return nil, fmt.Errorf("retention: Config.Schema: %w", err)
+	}
+	if cfg.Schema == "" {
+		cfg.Schema = sqlname.DefaultSchema
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"BrokerRetention", cfg.BrokerRetention}, {"InboxRetention", cfg.InboxRetention},
+		{"CallResultRetention", cfg.CallResultRetention}, {"Interval", cfg.Interval},
+	} {
+		if d.v < 0 {
+			return nil, fmt.Errorf("retention: Config.%s must not be negative, got %s", d.name, d.v)
+		}
+	}
+	if cfg.BatchSize < 0 {
+		return nil, fmt.Errorf("retention: Config.BatchSize must not be negative, got %d", cfg.BatchSize)
+	}
+	if cfg.BrokerRetention == 0 {
+		return nil, errors.New("retention: Config.BrokerRetention is required: how long the broker may redeliver a message " +
+			"(for Kafka, the topics' retention.ms plus segment.ms)")
+	}
+	if cfg.InboxRetention == 0 {
+		cfg.InboxRetention = DefaultInboxRetention
+	}
+	if cfg.InboxRetention <= cfg.BrokerRetention {
+		return nil, fmt.Errorf("retention: Config.InboxRetention (%s) must be longer than Config.BrokerRetention (%s): "+
+			"a message the broker redelivers after the inbox forgot it is processed twice", cfg.InboxRetention, cfg.BrokerRetention)
+	}
+	if cfg.CallResultRetention == 0 {
+		cfg.CallResultRetention = DefaultCallResultRetention
+	}
+	if cfg.BatchSize == 0 {
+		cfg.BatchSize = DefaultBatchSize
+	}
+	if cfg.Interval == 0 {
+		cfg.Interval = DefaultInterval
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &Cleaner{cfg: cfg, schema: cfg.Schema, sql: renderQueries(quoted)}, nil
+}
+
+// Report tells what one pass deleted and how large the tables are afterwards.
+type Report struct {
+	// DoneDeleted, DeadDeleted, AttemptsDeleted and CallResultsDeleted count the rows deleted:
+	// processed inbox rows, dead inbox rows whose letter was discarded, orphaned attempt counters,
+	// and call results.
+	DoneDeleted        int64
+	DeadDeleted        int64
+	AttemptsDeleted    int64
+	CallResultsDeleted int64
+	// DoneCutoff is the receipt time before which processed inbox rows were deleted: InboxRetention
+	// before now, or before the oldest inbox letter in the DLQ when there is one.
+	DoneCutoff time.Time
+	// OldestLetterAge is the age of the oldest inbox letter in the DLQ, by which DoneCutoff was
+	// held back; zero when there is none.
+	OldestLetterAge time.Duration
+	// Tables are the sizes of txbox's tables after the pass (unset when the pass failed).
+	Tables []TableSize
+	// Duration is how long the pass took.
+	Duration time.Duration
+}
+
+// TableSize is the size of one table.
+type TableSize struct {
+	Table string
+	// TotalBytes is pg_total_relation_size: the table with its indexes and TOAST.
+	TotalBytes int64
+	// LiveRows and DeadRows are the cumulative statistics' estimates, which trail the latest writes
+	// by a moment; dead rows are bloat that VACUUM has yet to reclaim.
+	LiveRows int64
+	DeadRows int64
+}
+
+// RunOnce deletes, in batches of BatchSize rows each committed on its own:
+//   - inbox rows in state 'done' received before the cutoff (see the package documentation);
+//   - inbox rows in state 'dead' older than InboxRetention whose letter is no longer in the DLQ;
+//   - attempt counters of settled messages, or with no delivery for InboxRetention;
+//   - call results older than CallResultRetention.
+//
+// It returns what it did, with the table sizes, even when it stops early on an error or ctx.
+func (c *Cleaner) RunOnce(ctx context.Context) (Report, error) {
+	start := time.Now()
+	var (
+		rep                           Report
+		now, deadCutoff, callCutoff   time.Time
+		oldest                        *time.Time
+		inboxMicros, callResultMicros = c.cfg.InboxRetention.Microseconds(), c.cfg.CallResultRetention.Microseconds()
+		err                           error
+	)
+	err = c.cfg.DB.QueryRow(ctx, c.sql.cutoffs, inboxMicros, callResultMicros).
+		Scan(&now, &rep.DoneCutoff, &deadCutoff, &callCutoff, &oldest)
+	if err != nil {
+		return rep, fmt.Errorf("retention: read cutoffs: %w", err)
+	}
+	if oldest != nil && oldest.Before(now) {
+		rep.OldestLetterAge = now.Sub(*oldest)
+	}
+
+	for _, step := range []struct {
+		what   string
+		sql    string
+		cutoff time.Time
+		count  *int64
+	}{
+		{"processed inbox rows", c.sql.deleteDone, rep.DoneCutoff, &rep.DoneDeleted},
+		{"dead inbox rows", c.sql.deleteDead, deadCutoff, &rep.DeadDeleted},
+		{"inbox attempt counters", c.sql.deleteAttempts, deadCutoff, &rep.AttemptsDeleted},
+		{"call results", c.sql.deleteCallResults, callCutoff, &rep.CallResultsDeleted},
+	} {
+		if err = c.deleteInBatches(ctx, step.sql, step.cutoff, step.count); err != nil {
+			err = fmt.Errorf("retention: delete %s: %w", step.what, err)
+			break
+		}
+	}
+
+	if err == nil {
+		rep.Tables, err = TableSizes(ctx, c.cfg.DB, c.schema)
+	}
+	rep.Duration = time.Since(start)
+	c.log(rep, err)
+	return rep, err
+}
+
+// deleteInBatches runs a batch delete until a batch comes back short. Each batch is its own
+// statement: locks last one batch, and VACUUM can reclaim the rows while the pass goes on.
+func (c *Cleaner) deleteInBatches(ctx context.Context, sql string, cutoff time.Time, count *int64) error {
+	for {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		tag, err := c.cfg.DB.Exec(ctx, sql, cutoff, c.cfg.BatchSize)
+		if err != nil {
+			return err
+		}
+		*count += tag.RowsAffected()
+		if tag.RowsAffected() < int64(c.cfg.BatchSize) {
+			return nil
+		}
+	}
+}
+
+func (c *Cleaner) log(rep Report, err error) {
+	attrs := []any{
+		"done_deleted", rep.DoneDeleted, "dead_deleted", rep.DeadDeleted,
+		"attempts_deleted", rep.AttemptsDeleted, "call_results_deleted", rep.CallResultsDeleted,
+		"duration", rep.Duration.Round(time.Millisecond),
+	}
+	for _, t := range rep.Tables {
+		attrs = append(attrs, t.Table+"_bytes", t.TotalBytes, t.Table+"_dead_rows", t.DeadRows)
+	}
+	if err != nil {
+		c.cfg.Logger.Error("retention pass failed", append(attrs, "error", err)...)
+		return
+	}
+	c.cfg.Logger.Info("retention pass", attrs...)
+	if rep.OldestLetterAge > c.cfg.InboxRetention {
+		c.cfg.Logger.Warn("the oldest inbox letter in the DLQ keeps processed inbox rows beyond InboxRetention; redrive or discard it",
+			"oldest_letter_age", rep.OldestLetterAge.Round(time.Second), "inbox_retention", c.cfg.InboxRetention)
+	}
+}
+
+// Run runs a pass at once and then every Interval until ctx is cancelled, and returns nil then.
+// A failed pass is logged and retried at the next interval.
+func (c *Cleaner) Run(ctx context.Context) error {
+	tick := time.NewTicker(c.cfg.Interval)
+	defer tick.Stop()
+	for {
+		_, _ = c.RunOnce(ctx) // Logged by RunOnce.
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+	}
+}
+
+// Querier is the part of pgx that TableSizes needs.
+type Querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+// TableSizes returns the sizes of txbox's outbox, inbox, inbox attempt, DLQ and call result tables
+// in schema ("" means "public"), in that order; a table that does not exist is left out.
+func TableSizes(ctx context.Context, db Querier, schema string) ([]TableSize, error) {
+	if _, err := sqlname.Schema(schema); err != nil {
+		return nil, fmt.Errorf("retention: %w", err)
+	}
+	if schema == "" {
+		schema = sqlname.DefaultSchema
+	}
+	rows, err := db.Query(ctx, tableSizesSQL, schema, tables)
+	if err != nil {
+		return nil, fmt.Errorf("retention: table sizes: %w", err)
+	}
+	sizes, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (TableSize, error) {
+		var t TableSize
+		err := r.Scan(&t.Table, &t.TotalBytes, &t.LiveRows, &t.DeadRows)
+		return t, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("retention: table sizes: %w", err)
+	}
+	return sizes, nil
+}
