@@ -15,7 +15,7 @@ import (
 
 // Defaults of Config.
 const (
-	DefaultInboxRetention      = 7 * 24 * time.Hour
+	DefaultInboxRetention      = 15 * 24 * time.Hour
 	DefaultCallResultRetention = 30 * 24 * time.Hour
 	DefaultBatchSize           = 1000
 	DefaultInterval            = time.Hour
@@ -46,8 +46,8 @@ type Config struct {
 	BrokerRetention time.Duration
 	// InboxRetention is how long the inbox remembers a processed message. It must be longer than
 	// BrokerRetention; the difference is the margin for consumer lag and retries. If not
-	// specified, defaults to DefaultInboxRetention (7 days), which is too short for Kafka's
-	// default 7-day retention: set it explicitly there.
+	// specified, defaults to DefaultInboxRetention (15 days): longer than Kafka's defaults allow
+	// a redelivery (retention.ms of 7 days plus segment.ms of 7 days).
 	InboxRetention time.Duration
 	// CallResultRetention is how long the results of side-effect calls are kept for audit and
 	// reconciliation. If not specified, defaults to DefaultCallResultRetention (30 days).

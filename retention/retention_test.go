@@ -124,8 +124,8 @@ func TestConfigValidation(t *testing.T) {
 		{"no broker retention", retention.Config{DB: env.Pool}, "Config.BrokerRetention is required"},
 		{"inbox not longer than broker", retention.Config{DB: env.Pool, BrokerRetention: 3 * day, InboxRetention: 3 * day},
 			"Config.InboxRetention (72h0m0s) must be longer than Config.BrokerRetention (72h0m0s)"},
-		{"default inbox retention against Kafka's default", retention.Config{DB: env.Pool, BrokerRetention: 7 * day},
-			"Config.InboxRetention (168h0m0s) must be longer than Config.BrokerRetention (168h0m0s)"},
+		{"default inbox retention against a longer broker retention", retention.Config{DB: env.Pool, BrokerRetention: 15 * day},
+			"Config.InboxRetention (360h0m0s) must be longer than Config.BrokerRetention (360h0m0s)"},
 		{"negative", retention.Config{DB: env.Pool, BrokerRetention: day, CallResultRetention: -day}, "Config.CallResultRetention must not be negative"},
 		{"negative batch", retention.Config{DB: env.Pool, BrokerRetention: day, BatchSize: -1}, "Config.BatchSize must not be negative"},
 		{"bad schema", retention.Config{DB: env.Pool, BrokerRetention: day, Schema: "Robert'); DROP"}, "Config.Schema"},
@@ -135,8 +135,8 @@ func TestConfigValidation(t *testing.T) {
 			require.ErrorContains(t, err, tc.want)
 		})
 	}
-	_, err := retention.New(retention.Config{DB: env.Pool, BrokerRetention: 6 * day})
-	require.NoError(t, err, "the defaults are valid for a broker that keeps messages less than 7 days")
+	_, err := retention.New(retention.Config{DB: env.Pool, BrokerRetention: 14 * day})
+	require.NoError(t, err, "the defaults are valid for Kafka's defaults: 7 days of retention.ms plus 7 of segment.ms")
 }
 
 func TestRunOnceDeletesOldProcessedRowsInBatches(t *testing.T) {

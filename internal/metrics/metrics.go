@@ -26,6 +26,14 @@ func register[C prometheus.Collector](reg prometheus.Registerer, c C) C {
 	return c
 }
 
+// deadLetters is shared by every component that gives up on messages.
+func deadLetters(reg prometheus.Registerer) *prometheus.CounterVec {
+	return register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "txbox_dead_letters_total",
+		Help: "Messages moved to the dead-letter table, by source and reason.",
+	}, []string{"source", "reason"}))
+}
+
 // Inbox holds the consumer-side collectors.
 type Inbox struct {
 	DedupChecks      *prometheus.CounterVec
@@ -51,10 +59,7 @@ func NewInbox(reg prometheus.Registerer) *Inbox {
 			Help:    "Delivery attempts a message needed before it was processed or given up on.",
 			Buckets: []float64{1, 2, 3, 5, 8, 13, 21},
 		}, []string{"consumer"})),
-		DeadLetters: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "txbox_dead_letters_total",
-			Help: "Messages moved to the dead-letter table, by reason.",
-		}, []string{"source", "reason"})),
+		DeadLetters: deadLetters(reg),
 		SupersededTokens: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "txbox_superseded_token_messages_total",
 			Help: "Messages that arrived with a lower fencing token than one already seen on the same shard, topic and partition: copies from a relay that lost its lease.",
@@ -106,13 +111,48 @@ func NewRelay(reg prometheus.Registerer) *Relay {
 			Name: "txbox_dlq_age_seconds",
 			Help: "Age of the oldest dead letter, by source. Alert over one hour.",
 		}, []string{"source"})),
-		DeadLetters: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "txbox_dead_letters_total",
-			Help: "Messages moved to the dead-letter table, by reason.",
-		}, []string{"source", "reason"})),
+		DeadLetters: deadLetters(reg),
 		PublishErrors: register(reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "txbox_relay_publish_errors_total",
 			Help: "Batches whose publish failed and will be retried.",
+		})),
+	}
+}
+
+// Calls holds the collectors of the relay's side-effect calls.
+type Calls struct {
+	// Duration is the time of each request to the provider, by outcome. Its p99 must stay below the
+	// relay's lease TTL.
+	Duration *prometheus.HistogramVec
+	// Results counts requests by what the relay did with their outcome.
+	Results *prometheus.CounterVec
+	// IdempotencyErrors counts calls whose key the provider had seen with other parameters: each one
+	// is a bug (two calls sharing a name, a handler whose request changes between deliveries) and
+	// a dead letter. Alert on any increase.
+	IdempotencyErrors prometheus.Counter
+	// InFlight is the number of requests waiting for the provider's answer.
+	InFlight prometheus.Gauge
+}
+
+// NewCalls creates (or finds) the call collectors in reg; a nil reg keeps them unregistered.
+func NewCalls(reg prometheus.Registerer) *Calls {
+	return &Calls{
+		Duration: register(reg, prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "txbox_side_effect_duration_seconds",
+			Help:    "Duration of each side-effect request, by outcome. Its p99 must stay below the relay's lease TTL.",
+			Buckets: []float64{0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60},
+		}, []string{"outcome"})),
+		Results: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "txbox_side_effect_calls_total",
+			Help: "Side-effect requests by result: succeeded, declined, rejected (done); retry; dead (dead-lettered); abandoned (lease lost mid-call).",
+		}, []string{"result"})),
+		IdempotencyErrors: register(reg, prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "txbox_side_effect_idempotency_errors_total",
+			Help: "Calls the provider refused because their idempotency key was used with other parameters; each is dead-lettered. Alert on any increase.",
+		})),
+		InFlight: register(reg, prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "txbox_side_effect_calls_in_flight",
+			Help: "Side-effect requests waiting for the provider's answer.",
 		})),
 	}
 }
