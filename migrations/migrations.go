@@ -12,30 +12,20 @@ import (
 	"embed"
 	"fmt"
 	"hash/crc64"
-	"io/fs"
 	"log/slog"
 
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/lock"
 )
 
-//go:embed sql/*.sql
-var embedded embed.FS
-
-// FS is the migrations directory: goose SQL files, the only definition of txbox's schema.
-var FS fs.FS = mustSub(embedded, "sql")
+// FS holds the goose SQL files of this directory: the only definition of txbox's schema.
+//
+//go:embed *.sql
+var FS embed.FS
 
 // VersionTable is the name of goose's version table for txbox, distinct from goose's default so it
 // cannot clash with an application's own goose migrations in the same schema.
 const VersionTable = "txbox_goose_db_version"
-
-func mustSub(f fs.FS, dir string) fs.FS {
-	sub, err := fs.Sub(f, dir)
-	if err != nil {
-		panic(err) // The directory is embedded at build time; failing here is a build defect.
-	}
-	return sub
-}
 
 // NewProvider returns a goose provider for txbox's migrations on db, with txbox's version table and
 // a PostgreSQL session lock, so that two processes migrating the same schema at once take turns.
