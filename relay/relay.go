@@ -86,7 +86,8 @@ type Relay struct {
 
 	mu        sync.Mutex
 	held      map[int]*lease
-	dbFailing bool // so a database outage is logged once, not on every tick
+	dbFailing bool           // so a database outage is logged once, not on every tick
+	winding   sync.WaitGroup // workers of dropped or released leases, still stopping
 }
 
 // New validates cfg and returns a Relay.
@@ -371,45 +372,51 @@ func (r *Relay) start(ctx context.Context, l *lease, lost chan<- *lease) {
 	}()
 }
 
-// drop abandons a lease that is no longer this relay's: in-flight work is cancelled, not finished.
-func (r *Relay) drop(l *lease, why string) {
+// forget removes l from the leases held; false means it was already dropped or released.
+func (r *Relay) forget(l *lease) bool {
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	if r.held[l.shard] != l {
-		r.mu.Unlock()
-		return
+		return false
 	}
 	delete(r.held, l.shard)
-	r.mu.Unlock()
-	l.cancel()
-	<-l.done
-	r.metrics.Fenced.Inc()
-	r.log.Warn("lease lost; shard dropped", "shard", l.shard, "token", l.token, "why", why)
+	return true
 }
 
-// release finishes the lease's batch in flight and gives the lease up for another relay to take.
-func (r *Relay) release(l *lease) {
-	r.mu.Lock()
-	if r.held[l.shard] != l {
-		r.mu.Unlock()
+// drop abandons a lease that is no longer this relay's: in-flight work is cancelled, not
+// finished. The worker winds down in the background so the other leases keep being renewed.
+func (r *Relay) drop(l *lease, why string) {
+	if !r.forget(l) {
 		return
-	}
-	delete(r.held, l.shard)
-	r.mu.Unlock()
-	close(l.stop)
-	select {
-	case <-l.done:
-	case <-time.After(r.cfg.LeaseTTL):
-		l.cancel()
-		<-l.done
 	}
 	l.cancel()
-	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.LeaseTTL)
-	defer cancel()
-	if _, err := r.cfg.DB.Exec(ctx, r.sql.release, l.shard, l.token); err != nil {
-		r.log.Warn("could not release lease; it will expire", "shard", l.shard, "error", err)
+	r.metrics.Fenced.Inc()
+	r.log.Warn("lease lost; shard dropped", "shard", l.shard, "token", l.token, "why", why)
+	r.winding.Go(func() { <-l.done })
+}
+
+// release lets the lease's batch in flight finish (for at most one LeaseTTL), then gives the lease
+// up for another relay to take. It returns at once; shutdown waits for it.
+func (r *Relay) release(l *lease) {
+	if !r.forget(l) {
 		return
 	}
-	r.log.Info("lease released", "shard", l.shard, "token", l.token)
+	close(l.stop)
+	r.winding.Go(func() {
+		select {
+		case <-l.done:
+		case <-time.After(r.cfg.LeaseTTL):
+		}
+		l.cancel()
+		<-l.done
+		ctx, cancel := context.WithTimeout(context.Background(), r.cfg.LeaseTTL)
+		defer cancel()
+		if _, err := r.cfg.DB.Exec(ctx, r.sql.release, l.shard, l.token); err != nil {
+			r.log.Warn("could not release lease; it will expire", "shard", l.shard, "error", err)
+			return
+		}
+		r.log.Info("lease released", "shard", l.shard, "token", l.token)
+	})
 }
 
 func (r *Relay) shutdown() {
@@ -419,11 +426,10 @@ func (r *Relay) shutdown() {
 		all = append(all, l)
 	}
 	r.mu.Unlock()
-	var wg sync.WaitGroup
 	for _, l := range all {
-		wg.Go(func() { r.release(l) })
+		r.release(l)
 	}
-	wg.Wait()
+	r.winding.Wait()
 	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.LeaseTTL)
 	defer cancel()
 	if _, err := r.cfg.DB.Exec(ctx, r.sql.forgetNode, r.cfg.Owner); err != nil {
