@@ -1,0 +1,153 @@
+package outbox_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/txbox/txbox/internal/txtest"
+	"github.com/txbox/txbox/outbox"
+)
+
+type row struct {
+	topic, key, uuid string
+	slot             int16
+	payload          []byte
+	metadata         map[string]string
+}
+
+func rows(t *testing.T, env *txtest.Env) []row {
+	t.Helper()
+	rs, err := env.Pool.Query(context.Background(),
+		"SELECT topic, partition_key, uuid, slot, payload, metadata::text FROM "+env.Q("txbox_outbox")+" WHERE kind = 'message' ORDER BY id")
+	require.NoError(t, err)
+	defer rs.Close()
+	var out []row
+	for rs.Next() {
+		var r row
+		var meta string
+		require.NoError(t, rs.Scan(&r.topic, &r.key, &r.uuid, &r.slot, &r.payload, &meta))
+		require.NoError(t, json.Unmarshal([]byte(meta), &r.metadata))
+		out = append(out, r)
+	}
+	require.NoError(t, rs.Err())
+	return out
+}
+
+func TestPublishWritesInTheCallersTransaction(t *testing.T) {
+	t.Parallel()
+	env := txtest.New(t)
+	w, err := outbox.New(outbox.Config{Schema: env.Schema})
+	require.NoError(t, err)
+	ctx := context.Background()
+
+	tx, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	first := outbox.SetPartitionKey(message.NewMessage(watermill.NewUUID(), []byte("a")), "order-1")
+	first.Metadata.Set("customer", "c-9")
+	second := outbox.SetPartitionKey(message.NewMessage(watermill.NewUUID(), nil), "order-1")
+	require.NoError(t, w.Publish(ctx, tx, "orders", first, second))
+	require.Empty(t, rows(t, env), "invisible before commit")
+	require.NoError(t, tx.Rollback(ctx))
+	require.Empty(t, rows(t, env), "gone with the rollback")
+
+	tx, err = env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, w.Publish(ctx, tx, "orders", first, second))
+	require.NoError(t, tx.Commit(ctx))
+	got := rows(t, env)
+	require.Len(t, got, 2)
+	require.Equal(t, []string{first.UUID, second.UUID}, []string{got[0].uuid, got[1].uuid}, "call order kept")
+	require.Equal(t, "orders", got[0].topic)
+	require.Equal(t, "order-1", got[0].key)
+	require.Equal(t, outbox.SlotOf("order-1", ""), got[0].slot)
+	require.Equal(t, got[0].slot, got[1].slot, "one key, one slot")
+	require.Equal(t, []byte("a"), got[0].payload)
+	require.Equal(t, []byte{}, got[1].payload)
+	require.Equal(t, "c-9", got[0].metadata["customer"])
+}
+
+func TestPublisherIsAWatermillPublisherOverTheTransaction(t *testing.T) {
+	t.Parallel()
+	env := txtest.New(t)
+	w, err := outbox.New(outbox.Config{Schema: env.Schema})
+	require.NoError(t, err)
+	ctx := context.Background()
+	tx, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	var pub message.Publisher = w.Publisher(ctx, tx)
+	require.NoError(t, pub.Publish("events", message.NewMessage(watermill.NewUUID(), []byte("x"))))
+	require.NoError(t, pub.Close())
+	require.NoError(t, tx.Commit(ctx))
+	require.Len(t, rows(t, env), 1)
+}
+
+func TestPublishStoresTheTraceContext(t *testing.T) {
+	t.Parallel()
+	env := txtest.New(t)
+	w, err := outbox.New(outbox.Config{Schema: env.Schema})
+	require.NoError(t, err)
+	traceID, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+	spanID, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
+	ctx := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: traceID, SpanID: spanID, TraceFlags: trace.FlagsSampled,
+	}))
+	withPropagator(t, propagation.TraceContext{})
+	require.NoError(t, w.Publish(ctx, env.Pool, "events", message.NewMessage(watermill.NewUUID(), nil)))
+	got := rows(t, env)
+	require.Len(t, got, 1)
+	require.Equal(t, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", got[0].metadata["traceparent"])
+}
+
+func TestInvalidMessagesAreRefusedWholesale(t *testing.T) {
+	t.Parallel()
+	env := txtest.New(t)
+	w, err := outbox.New(outbox.Config{Schema: env.Schema, MaxPayloadBytes: 10})
+	require.NoError(t, err)
+	ok := message.NewMessage(watermill.NewUUID(), nil)
+	reserved := message.NewMessage(watermill.NewUUID(), nil)
+	reserved.Metadata.Set("_watermill_message_uuid", "x")
+	for name, tc := range map[string]struct {
+		topic string
+		msg   *message.Message
+		want  string
+	}{
+		"no topic":     {"", ok, "empty topic"},
+		"no uuid":      {"t", message.NewMessage("", nil), "empty UUID"},
+		"reserved key": {"t", reserved, "reserved"},
+		"too large":    {"t", message.NewMessage(watermill.NewUUID(), make([]byte, 11)), "over the 10-byte limit"},
+		"nil":          {"t", nil, "nil message"},
+	} {
+		err := w.Publish(context.Background(), env.Pool, tc.topic, ok, tc.msg)
+		require.ErrorIs(t, err, outbox.ErrInvalidMessage, name)
+		require.ErrorContains(t, err, tc.want, name)
+	}
+	require.Empty(t, rows(t, env), "nothing written when any message is invalid")
+}
+
+func TestConfigIsValidated(t *testing.T) {
+	t.Parallel()
+	_, err := outbox.New(outbox.Config{Schema: "no; DROP TABLE x"})
+	require.ErrorContains(t, err, "Config.Schema")
+	_, err = outbox.New(outbox.Config{MaxPayloadBytes: -1})
+	require.ErrorContains(t, err, "Config.MaxPayloadBytes")
+}
+
+func TestSlotsSpreadKeys(t *testing.T) {
+	t.Parallel()
+	used := map[int16]bool{}
+	for i := range 10000 {
+		s := outbox.SlotOf(fmt.Sprint("key-", i), "")
+		require.True(t, s >= 0 && s < outbox.Slots)
+		used[s] = true
+	}
+	require.Len(t, used, outbox.Slots, "10k keys reach every slot")
+	require.Equal(t, outbox.SlotOf("", "uuid-1"), outbox.SlotOf("uuid-1", ""), "keyless messages spread by UUID")
+}
