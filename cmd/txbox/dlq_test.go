@@ -324,9 +324,9 @@ func TestRetentionCommand(t *testing.T) {
 	_, err = b.txbox(t, "retention")
 	require.ErrorIs(t, err, errUsage)
 	require.ErrorContains(t, err, "--broker-retention is required")
-	_, err = b.txbox(t, "retention", "--broker-retention", "7d")
+	_, err = b.txbox(t, "retention", "--broker-retention", "15d")
 	require.ErrorIs(t, err, errUsage)
-	require.ErrorContains(t, err, "--inbox-retention (7d0h) must be longer than --broker-retention (7d0h)")
+	require.ErrorContains(t, err, "--inbox-retention (15d0h) must be longer than --broker-retention (15d0h)")
 	require.Equal(t, 40, b.count(t, "txbox_inbox"))
 
 	out, err := b.txbox(t, "retention", "--broker-retention", "7d", "--inbox-retention", "8d", "--batch-size", "7")
