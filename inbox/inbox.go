@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/txbox/txbox/dlq"
+	"github.com/txbox/txbox/internal/failpoint"
 	"github.com/txbox/txbox/internal/metrics"
 	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/outbox"
@@ -235,6 +236,7 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 	if err != nil {
 		return false, fmt.Errorf("inbox: insert %s: %w", key, err)
 	}
+	failpoint.Hit("inbox.after-insert")
 	if tag.RowsAffected() == 0 {
 		return false, nil
 	}
@@ -243,6 +245,7 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 	msg.SetContext(outbox.ContextWithSource(context.WithValue(orig, txKey{}, tx), ib.cfg.Consumer, key))
 	produced, err := h(msg)
 	msg.SetContext(orig)
+	failpoint.Hit("inbox.after-handler")
 	if err != nil {
 		return false, err
 	}
@@ -260,9 +263,11 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 			return false, fmt.Errorf("inbox: clear attempts of %s: %w", key, err)
 		}
 	}
+	failpoint.Hit("inbox.before-commit")
 	if err := tx.Commit(ctx); err != nil {
 		return false, fmt.Errorf("inbox: commit %s: %w", key, err)
 	}
+	failpoint.Hit("inbox.after-commit")
 	return true, nil
 }
 

@@ -52,6 +52,7 @@ type Config struct {
 // Writer writes messages into the outbox. It is safe for concurrent use.
 type Writer struct {
 	insertMessages  string
+	insertCall      string
 	maxPayloadBytes int
 }
 
@@ -69,6 +70,7 @@ func New(cfg Config) (*Writer, error) {
 	}
 	return &Writer{
 		insertMessages:  sqlname.Render(insertMessagesSQL, schema),
+		insertCall:      sqlname.Render(insertCallSQL, schema),
 		maxPayloadBytes: cfg.MaxPayloadBytes,
 	}, nil
 }

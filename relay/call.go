@@ -1,9 +1,496 @@
+// Package relay moves committed outbox rows out of the database: it publishes messages to a broker
+// (Kafka through KafkaSink, or any Watermill publisher) and executes side-effect calls written with
+// outbox.Call. Relays share the outbox through per-shard leases with fencing tokens; every state
+// change a relay makes runs in a transaction that locks its lease row and checks its token.
+//
+// # Side-effect calls
+//
+// With Config.Calls set, each shard lease runs a call worker beside its message worker. For each
+// due call of the shard:
+//
+//  1. In a fenced transaction, record the attempt (first_attempt_at is set once, attempts counts
+//     up) and measure the call's age with the database clock. A call older than
+//     CallConfig.ReplayWindow goes to the dead-letter table in that same transaction and is never
+//     sent.
+//  2. Send it through stripe-go with its Idempotency-Key, within a deadline that is the smaller of
+//     CallConfig.Timeout and the time left in the replay window, counted from before step 1.
+//  3. In a fenced transaction, act on the answer: a 2xx, a business refusal (402, a declined card)
+//     or a request the provider refuses outright (other 400s, 404) is an outcome: store it in
+//     txbox_call_result, write the reply message if the call asked for one, delete the row. A 409
+//     (the key is in use), 429, 5xx, timeout or connection error is retried later with the same
+//     key. An idempotency_error (the key was used with other parameters) or a failure the provider
+//     stored for the key (so every retry replays it) goes to the dead-letter table.
+//
+// Crashes and takeovers between the steps are harmless because of the key: a call sent and not
+// completed is sent again by whoever holds the lease next, and the provider replays its stored
+// answer, or answers 409 while the first request still runs, which is retried. The reply's UUID is
+// derived from the key, so the relay and a zombie can only ever write the same reply.
+//
+// Calls with the same partition key run one after the other in the order they were written; a call
+// being retried holds back the later calls of its key.
+//
+// Leases do not bound a call: the relay renews its leases every LeaseTTL/3 on its own while calls
+// are in flight. A relay that loses its lease mid-call cancels the request and concludes nothing.
+//
+// # Residual risk
+//
+// Stripe forgets idempotency keys after 24 hours, and a call sent after that with a key it had
+// executed is executed again. The relay never starts a send past the replay window (default 23h),
+// and the request's deadline is set before the age check, so a request can reach Stripe late only
+// if the process stops dead between its last deadline check and the bytes leaving, for longer than
+// the margin between the window and 24 hours (plus network latency). The realistic case is a
+// suspended machine: Go's monotonic clock does not advance while the machine sleeps. Keep the
+// margin (24h minus ReplayWindow) larger than any pause you consider possible.
 package relay
 
-// CallConfig configures the execution of side-effect calls.
-type CallConfig struct{}
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"net/url"
+	"os"
+	"strings"
+	"sync"
+	"time"
 
-func (c *CallConfig) validate() error { return nil }
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/txbox/txbox/dlq"
+	"github.com/txbox/txbox/internal/failpoint"
+	"github.com/txbox/txbox/internal/metrics"
+	"github.com/txbox/txbox/outbox"
+)
+
+// APIKeyEnvVar is the environment variable the Stripe API key is read from when CallConfig.APIKey
+// is empty.
+const APIKeyEnvVar = "STRIPE_API_KEY"
+
+// Defaults for CallConfig.
+const (
+	DefaultReplayWindow    = 23 * time.Hour
+	DefaultCallBatchSize   = 16
+	DefaultCallConcurrency = 4
+	DefaultCallPoll        = 100 * time.Millisecond
+	DefaultMinCallBackoff  = time.Second
+	DefaultMaxCallBackoff  = 5 * time.Minute
+	DefaultMaxResultBytes  = 16 << 10
+)
+
+// providerKeyLifetime is how long Stripe is known to keep an idempotency key.
+const providerKeyLifetime = 24 * time.Hour
+
+// CallConfig configures the execution of side-effect calls (Config.Calls). Zero values mean the
+// documented defaults.
+type CallConfig struct {
+	// APIKey is the Stripe secret key. If not specified, it is read from the STRIPE_API_KEY
+	// environment variable, which is where it should come from: never from a flag or a file in
+	// version control. One of the two is required.
+	APIKey string
+	// BaseURL is the Stripe API's address. If not specified, defaults to DefaultStripeURL; point it
+	// at a test double (internal/stripetest) or stripe-mock in tests.
+	BaseURL string
+	// HTTPClient sends the requests. If not specified, a client on http.DefaultTransport. Its
+	// Transport is wrapped, never modified.
+	HTTPClient *http.Client
+	// Timeout bounds one request. If not specified, defaults to two thirds of the relay's LeaseTTL,
+	// so that a graceful handover (which waits one LeaseTTL for work in flight) never cuts a call
+	// off. Longer is safe — a call cut off is sent again with its key — but
+	// txbox_side_effect_duration_seconds should stay below LeaseTTL.
+	Timeout time.Duration
+	// ReplayWindow is the oldest a call's first attempt may be when it is sent. An older call goes
+	// to the dead-letter table for a person to reconcile, because Stripe may have forgotten its key
+	// (it keeps keys for 24 hours). It must be below 24h. If not specified, defaults to 23h.
+	ReplayWindow time.Duration
+	// MinBackoff and MaxBackoff bound the wait before a failed call is tried again: exponential in
+	// its attempts, with jitter, and never shorter than the provider's Retry-After. If not
+	// specified, they default to 1s and 5m.
+	MinBackoff, MaxBackoff time.Duration
+	// BatchSize is the most due calls of a shard read at once. If not specified, defaults to 16.
+	BatchSize int
+	// Concurrency is the most calls of one shard in flight at once. If not specified, defaults to 4.
+	Concurrency int
+	// PollInterval is how long a shard without due calls waits before looking again. If not
+	// specified, defaults to 100ms.
+	PollInterval time.Duration
+	// MaxResultBytes bounds the copy of a response body kept in txbox_call_result and the reply.
+	// If not specified, defaults to 16 KiB.
+	MaxResultBytes int
+}
+
+// resolved returns c with its defaults filled in for a relay with leaseTTL.
+func (c *CallConfig) resolved(leaseTTL time.Duration) CallConfig {
+	r := *c
+	if r.APIKey == "" {
+		r.APIKey = os.Getenv(APIKeyEnvVar)
+	}
+	if r.BaseURL == "" {
+		r.BaseURL = DefaultStripeURL
+	}
+	if r.HTTPClient == nil {
+		r.HTTPClient = &http.Client{}
+	}
+	if r.Timeout == 0 {
+		r.Timeout = leaseTTL * 2 / 3
+	}
+	if r.ReplayWindow == 0 {
+		r.ReplayWindow = DefaultReplayWindow
+	}
+	if r.MinBackoff == 0 {
+		r.MinBackoff = DefaultMinCallBackoff
+	}
+	if r.MaxBackoff == 0 {
+		r.MaxBackoff = max(DefaultMaxCallBackoff, r.MinBackoff)
+	}
+	if r.BatchSize == 0 {
+		r.BatchSize = DefaultCallBatchSize
+	}
+	if r.Concurrency == 0 {
+		r.Concurrency = DefaultCallConcurrency
+	}
+	if r.PollInterval == 0 {
+		r.PollInterval = DefaultCallPoll
+	}
+	if r.MaxResultBytes == 0 {
+		r.MaxResultBytes = DefaultMaxResultBytes
+	}
+	return r
+}
+
+func (c *CallConfig) validate() error {
+	r := c.resolved(DefaultLeaseTTL)
+	switch {
+	case r.APIKey == "":
+		return fmt.Errorf("no Stripe API key: set the %s environment variable", APIKeyEnvVar)
+	case r.ReplayWindow <= 0 || r.ReplayWindow >= providerKeyLifetime:
+		return fmt.Errorf("ReplayWindow must be above 0 and below Stripe's 24h key lifetime, got %s", r.ReplayWindow)
+	case r.Timeout < 0:
+		return fmt.Errorf("Timeout must not be negative, got %s", r.Timeout)
+	case r.MinBackoff < 0 || r.MaxBackoff < r.MinBackoff:
+		return fmt.Errorf("need 0 <= MinBackoff <= MaxBackoff, got %s and %s", r.MinBackoff, r.MaxBackoff)
+	case r.BatchSize < 0 || r.BatchSize > 1000:
+		return fmt.Errorf("BatchSize must be between 1 and 1000, got %d", r.BatchSize)
+	case r.Concurrency < 0 || r.Concurrency > 100:
+		return fmt.Errorf("Concurrency must be between 1 and 100, got %d", r.Concurrency)
+	case r.PollInterval < 0:
+		return fmt.Errorf("PollInterval must be positive, got %s", r.PollInterval)
+	case r.MaxResultBytes < 0:
+		return fmt.Errorf("MaxResultBytes must not be negative, got %d", r.MaxResultBytes)
+	}
+	u, err := url.Parse(r.BaseURL)
+	if err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Host == "" {
+		return fmt.Errorf("BaseURL %q is not an http(s) URL", r.BaseURL)
+	}
+	return nil
+}
+
+// callRow is one due call.
+type callRow struct {
+	id           int64
+	replyTopic   string
+	partitionKey string
+	uuid         string
+	payload      []byte
+	metadata     string
+	key          string
+}
+
+// caller executes the calls of one lease.
+type caller struct {
+	l       *lease
+	cfg     CallConfig
+	client  *stripeClient
+	replies *outbox.Writer
+	m       *metrics.Calls
+
+	failures int // consecutive failed cycles (database trouble), for backoff and logging once
+}
 
 // runCalls executes the shard's call rows until the lease ends; true means the lease was fenced.
-func (l *lease) runCalls() bool { return false }
+func (l *lease) runCalls() bool {
+	r := l.relay
+	cfg := r.cfg.Calls.resolved(r.cfg.LeaseTTL)
+	replies, err := outbox.New(outbox.Config{Schema: r.cfg.Schema})
+	if err != nil {
+		// The schema was validated by New; this cannot fail.
+		r.log.Error("cannot execute calls", "shard", l.shard, "error", err)
+		return false
+	}
+	c := &caller{l: l, cfg: cfg, client: newStripeClient(&cfg), replies: replies, m: metrics.NewCalls(r.cfg.Registerer)}
+	for {
+		select {
+		case <-l.stop:
+			return false
+		case <-l.ctx.Done():
+			return false
+		default:
+		}
+		n, err := c.cycle()
+		switch {
+		case errors.Is(err, ErrFenced):
+			return true
+		case err != nil && l.ctx.Err() != nil:
+			return false
+		case err != nil:
+			c.failures++
+			if c.failures == 1 {
+				r.log.Error("executing calls failed; retrying with backoff", "shard", l.shard, "error", err)
+			}
+			l.wait(backoff(c.failures))
+		default:
+			if c.failures > 0 {
+				r.log.Info("executing calls recovered", "shard", l.shard, "failed_attempts", c.failures)
+				c.failures = 0
+			}
+			if n < cfg.BatchSize {
+				l.wait(cfg.PollInterval)
+			}
+		}
+	}
+}
+
+// cycle executes one batch of due calls, up to Concurrency at once. Calls in one batch never share
+// a partition key (readCalls returns the first pending call of each key), so running them side by
+// side keeps per-key order.
+func (c *caller) cycle() (int, error) {
+	l, r := c.l, c.l.relay
+	rows, err := r.cfg.DB.Query(l.ctx, r.sql.readCalls, l.slots, c.cfg.BatchSize)
+	if err != nil {
+		return 0, fmt.Errorf("relay: read calls of shard %d: %w", l.shard, err)
+	}
+	batch, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (callRow, error) {
+		var p callRow
+		err := row.Scan(&p.id, &p.replyTopic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata, &p.key)
+		return p, err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("relay: read calls of shard %d: %w", l.shard, err)
+	}
+
+	var (
+		mu       sync.Mutex
+		firstErr error
+		wg       sync.WaitGroup
+		sem      = make(chan struct{}, c.cfg.Concurrency)
+	)
+	fail := func(err error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if firstErr == nil || errors.Is(err, ErrFenced) {
+			firstErr = err
+		}
+	}
+	failed := func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return firstErr != nil
+	}
+loop:
+	for _, row := range batch {
+		select {
+		case sem <- struct{}{}:
+		case <-l.stop: // graceful stop: finish what is in flight, start nothing new
+			break loop
+		case <-l.ctx.Done():
+			break loop
+		}
+		if failed() {
+			<-sem
+			break loop
+		}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			if err := c.execute(row); err != nil {
+				fail(err)
+			}
+		})
+	}
+	wg.Wait()
+	return len(batch), firstErr
+}
+
+// execute runs one call through the three steps of the package comment. It returns an error only
+// when the lease is fenced or the database failed; the call's own failures are handled here.
+func (c *caller) execute(row callRow) error {
+	l, r := c.l, c.l.relay
+	// The deadline starts before the age check, so that however long the check takes, the send
+	// cannot begin later than the check allowed.
+	started := time.Now()
+
+	var req outbox.CallRequest
+	if err := json.Unmarshal(row.payload, &req); err != nil {
+		return c.bury(row, 0, ReasonInvalidCall, fmt.Sprintf("undecodable call payload: %v", err))
+	}
+
+	var (
+		attempts int
+		first    time.Time
+		ageMs    int64
+		tooOld   bool
+	)
+	err := l.fenced(l.ctx, func(tx pgx.Tx) error {
+		err := tx.QueryRow(l.ctx, r.sql.startCall, row.id).Scan(&attempts, &first, &ageMs)
+		if err != nil {
+			return err
+		}
+		if age := time.Duration(ageMs) * time.Millisecond; age >= c.cfg.ReplayWindow {
+			tooOld = true
+			return c.buryTx(tx, row, attempts-1, ReasonCallTooOld, fmt.Sprintf(
+				"first attempted at %s, %s ago, beyond the %s replay window: Stripe may have forgotten idempotency key %q, so sending the call now could execute it twice. "+
+					"Look the key up in the Stripe dashboard (Developers > Logs) to learn whether an earlier attempt went through, settle the outcome by hand, "+
+					"and if it must still happen, write it as a new call with a new key; never redrive this letter as it is.",
+				first.UTC().Format(time.RFC3339), age.Round(time.Second), c.cfg.ReplayWindow, row.key))
+		}
+		return nil
+	})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil // Settled meanwhile (by a person, say): nothing to send.
+	}
+	if err != nil {
+		return err
+	}
+	if tooOld {
+		c.m.Results.WithLabelValues("dead").Inc()
+		r.metrics.DeadLetters.WithLabelValues(string(dlq.SourceRelay), ReasonCallTooOld).Inc()
+		r.log.Error("call is older than the replay window; moved to the dead-letter table for reconciliation, not sent",
+			"shard", l.shard, "idempotency_key", row.key, "call", req.Name, "first_attempt_at", first)
+		return nil
+	}
+
+	left := c.cfg.ReplayWindow - time.Duration(ageMs)*time.Millisecond
+	sendCtx, cancel := context.WithDeadline(l.ctx, started.Add(min(c.cfg.Timeout, left)))
+	defer cancel()
+
+	failpoint.HitContext(l.ctx, "call.before-send")
+	c.m.InFlight.Inc()
+	sent := time.Now()
+	v := c.client.send(sendCtx, l.ctx, row.key, req)
+	took := time.Since(sent)
+	c.m.InFlight.Dec()
+	c.m.Duration.WithLabelValues(v.label()).Observe(took.Seconds())
+	failpoint.HitContext(l.ctx, "call.after-send")
+
+	switch v.kind {
+	case verdictAbandon:
+		c.m.Results.WithLabelValues(v.label()).Inc()
+		return nil
+	case verdictDead:
+		if v.reason == ReasonIdempotencyMismatch {
+			c.m.IdempotencyErrors.Inc()
+		}
+		if err := c.bury(row, attempts, v.reason, v.detail); err != nil {
+			return err
+		}
+		c.m.Results.WithLabelValues(v.label()).Inc()
+		return nil
+	case verdictRetry:
+		wait := c.retryIn(attempts, v.retryAfter)
+		err := l.fenced(l.ctx, func(tx pgx.Tx) error {
+			_, err := tx.Exec(l.ctx, r.sql.rescheduleCall, row.id, wait.Milliseconds(), v.detail)
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		c.m.Results.WithLabelValues(v.label()).Inc()
+		// One line per failing call, not one per retry: the row's last_error has the latest.
+		if attempts == 1 {
+			r.log.Warn("call failed; retrying with the same idempotency key", "shard", l.shard,
+				"idempotency_key", row.key, "call", req.Name, "error", v.detail, "retry_in", wait.Round(time.Millisecond))
+		}
+		return nil
+	}
+
+	if err := c.complete(row, req, v, attempts, took); err != nil {
+		return err
+	}
+	failpoint.HitContext(l.ctx, "call.after-complete")
+	c.m.Results.WithLabelValues(v.label()).Inc()
+	if attempts > 1 {
+		r.log.Info("call completed after retries", "shard", l.shard, "idempotency_key", row.key,
+			"call", req.Name, "attempts", attempts, "outcome", v.result.Outcome)
+	}
+	return nil
+}
+
+// complete records the outcome, writes the reply and deletes the row, in one fenced transaction.
+func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attempts int, took time.Duration) error {
+	l, r := c.l, c.l.relay
+	var meta map[string]string
+	_ = json.Unmarshal([]byte(row.metadata), &meta) // Written by the outbox from a map: it decodes.
+	res := v.result
+	res.CallUUID, res.IdempotencyKey, res.Name, res.Attempts, res.Metadata = row.uuid, row.key, req.Name, attempts, meta
+	res.Body, res.BodyTruncated = replyBody(v.body, c.cfg.MaxResultBytes)
+	kept, _ := bounded(v.body, c.cfg.MaxResultBytes)
+	// A text column takes neither invalid UTF-8 (a cut multi-byte character, a proxy's bytes) nor NUL.
+	stored := strings.ReplaceAll(strings.ToValidUTF8(string(kept), "\uFFFD"), "\x00", "")
+
+	return l.fenced(l.ctx, func(tx pgx.Tx) error {
+		tag, err := tx.Exec(l.ctx, r.sql.deleteRows, []int64{row.id})
+		if err != nil {
+			return err
+		}
+		if tag.RowsAffected() == 0 {
+			return nil // Settled meanwhile: it must not get a second result.
+		}
+		if _, err := tx.Exec(l.ctx, r.sql.insertCallResult, row.key, row.uuid, res.Outcome, res.HTTPStatus,
+			res.ObjectID, stored, attempts, took.Milliseconds()); err != nil {
+			return err
+		}
+		if row.replyTopic == "" {
+			return nil
+		}
+		payload, err := json.Marshal(res)
+		if err != nil {
+			return err
+		}
+		msg := message.NewMessage(outbox.ReplyUUID(row.key), payload)
+		for k, val := range meta {
+			msg.Metadata.Set(k, val)
+		}
+		outbox.SetPartitionKey(msg, row.partitionKey)
+		return c.replies.Publish(l.ctx, tx, row.replyTopic, msg)
+	})
+}
+
+// bury moves a call to the dead-letter table in its own fenced transaction.
+func (c *caller) bury(row callRow, attempts int, reason, detail string) error {
+	err := c.l.fenced(c.l.ctx, func(tx pgx.Tx) error { return c.buryTx(tx, row, attempts, reason, detail) })
+	if err != nil {
+		return err
+	}
+	c.l.relay.metrics.DeadLetters.WithLabelValues(string(dlq.SourceRelay), reason).Inc()
+	c.l.relay.log.Error("call moved to the dead-letter table; it will not be sent again", "shard", c.l.shard,
+		"idempotency_key", row.key, "reason", reason, "error", detail)
+	return nil
+}
+
+func (c *caller) buryTx(tx pgx.Tx, row callRow, attempts int, reason, detail string) error {
+	l, r := c.l, c.l.relay
+	tag, err := tx.Exec(l.ctx, r.sql.deleteRows, []int64{row.id})
+	if err != nil || tag.RowsAffected() == 0 {
+		return err
+	}
+	var meta map[string]string
+	_ = json.Unmarshal([]byte(row.metadata), &meta)
+	return r.dead.Add(l.ctx, tx, dlq.Entry{
+		Source: dlq.SourceRelay, Kind: "call", Topic: row.replyTopic, PartitionKey: row.partitionKey,
+		UUID: row.uuid, Payload: row.payload, Metadata: meta, IdempotencyKey: row.key,
+		Reason: reason, Error: detail, Attempts: attempts,
+	})
+}
+
+// retryIn is the wait before the next attempt: exponential in the call's durable attempt count,
+// so it survives restarts and takeovers, with jitter so relays retrying together spread out, and
+// never shorter than the provider asked for (capped at an hour against nonsense).
+func (c *caller) retryIn(attempts int, retryAfter time.Duration) time.Duration {
+	ceiling := c.cfg.MinBackoff << min(attempts-1, 30)
+	if ceiling <= 0 || ceiling > c.cfg.MaxBackoff {
+		ceiling = c.cfg.MaxBackoff
+	}
+	wait := ceiling/2 + rand.N(ceiling/2+1)
+	return max(wait, min(retryAfter, time.Hour))
+}

@@ -9,6 +9,8 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+
+	"github.com/txbox/txbox/internal/failpoint"
 )
 
 // KafkaConfig configures a KafkaSink.
@@ -100,7 +102,7 @@ type kafkaShard struct {
 	producer sarama.SyncProducer
 }
 
-func (k *kafkaShard) Publish(_ context.Context, msgs []Message) error {
+func (k *kafkaShard) Publish(ctx context.Context, msgs []Message) error {
 	records := make([]*sarama.ProducerMessage, 0, len(msgs))
 	rejected := map[int]error{}
 	for i, m := range msgs {
@@ -127,6 +129,7 @@ func (k *kafkaShard) Publish(_ context.Context, msgs []Message) error {
 	if err := k.producer.SendMessages(records); err != nil {
 		return k.abort(k.classify(err))
 	}
+	failpoint.HitContext(ctx, "kafka.before-commit")
 	if err := k.producer.CommitTxn(); err != nil {
 		return k.abort(k.classify(err))
 	}

@@ -72,7 +72,20 @@ func (l *lease) run() (fenced bool) {
 		}
 		switch {
 		case errors.Is(err, ErrFenced):
-			return true
+			if pub != nil {
+				_ = pub.Close() // A fenced producer is never used again.
+				pub = nil
+			}
+			// The broker fences a producer when another one opens the shard's transactional.id. If
+			// the database still says the lease is ours, that was a relay whose lease had ended
+			// opening it late (it gives the shard up at its next check): open a new producer,
+			// which fences that one in turn.
+			if err := l.fenced(l.ctx, checkOnly); err != nil {
+				return l.ctx.Err() == nil
+			}
+			l.failures++
+			r.log.Warn("producer fenced while the lease is still ours; opening a new one", "shard", l.shard, "token", l.token, "error", err)
+			l.wait(backoff(l.failures))
 		case err != nil && l.ctx.Err() != nil:
 			return false
 		case err != nil:
@@ -100,14 +113,28 @@ func (l *lease) run() (fenced bool) {
 }
 
 // open creates the shard's publisher after checking the lease is still ours: opening a Kafka
-// transactional producer fences whoever holds the shard's transactional.id, and that must never be
-// a newer owner.
+// transactional producer fences whoever holds the shard's transactional.id, and that should never
+// be a newer owner. A relay can pause between the check and the open, though, and then fence the
+// newer owner's producer (which opens a new one, see run); so the lease is checked again once the
+// producer is open, and a relay that lost it meanwhile publishes nothing through it.
 func (l *lease) open() (ShardPublisher, error) {
-	if err := l.fenced(l.ctx, func(pgx.Tx) error { return nil }); err != nil {
+	if err := l.fenced(l.ctx, checkOnly); err != nil {
 		return nil, err
 	}
-	return l.relay.cfg.Sink.Open(l.ctx, l.shard, l.token)
+	failpoint.HitContext(l.ctx, "relay.before-open")
+	pub, err := l.relay.cfg.Sink.Open(l.ctx, l.shard, l.token)
+	if err != nil {
+		return nil, err
+	}
+	if err := l.fenced(l.ctx, checkOnly); err != nil {
+		_ = pub.Close()
+		return nil, err
+	}
+	return pub, nil
 }
+
+// checkOnly is a fenced transaction's body when the check is all that is wanted.
+func checkOnly(pgx.Tx) error { return nil }
 
 // cycle reads one batch, publishes it and completes it. It returns how many rows it read.
 func (l *lease) cycle(pub ShardPublisher) (int, error) {
@@ -127,7 +154,7 @@ func (l *lease) cycle(pub ShardPublisher) (int, error) {
 	if len(batch) == 0 {
 		return 0, nil
 	}
-	failpoint.Hit("relay.after-read")
+	failpoint.HitContext(l.ctx, "relay.after-read")
 
 	msgs := make([]Message, len(batch))
 	ids := make([]int64, len(batch))
@@ -142,7 +169,7 @@ func (l *lease) cycle(pub ShardPublisher) (int, error) {
 		}
 		return 0, err
 	}
-	failpoint.Hit("relay.after-publish")
+	failpoint.HitContext(l.ctx, "relay.after-publish")
 
 	err = l.fenced(l.ctx, func(tx pgx.Tx) error {
 		_, err := tx.Exec(l.ctx, r.sql.deleteRows, ids)
@@ -151,7 +178,7 @@ func (l *lease) cycle(pub ShardPublisher) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	failpoint.Hit("relay.after-complete")
+	failpoint.HitContext(l.ctx, "relay.after-complete")
 	r.metrics.Published.Add(float64(len(batch)))
 	return len(batch), nil
 }
@@ -202,6 +229,14 @@ func (l *lease) bury(batch []pendingRow, rejected *RejectedError) error {
 func (l *lease) fenced(ctx context.Context, fn func(pgx.Tx) error) error {
 	r := l.relay
 	err := pgx.BeginFunc(ctx, r.cfg.DB, func(tx pgx.Tx) error {
+		// A relay frozen inside this transaction (a GC pause, SIGSTOP, a VM freeze) would keep the
+		// lease row locked for as long as it stays frozen: the next owner's acquire skips locked
+		// rows, and a relay starting up waits for the lock, so the shard would stall. PostgreSQL
+		// ends the session instead once it has sat idle in the transaction for a lease TTL, when
+		// the lease has run out anyway; the frozen relay's write fails when it wakes.
+		if _, err := tx.Exec(ctx, setIdleTimeout, strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
+			return fmt.Errorf("relay: lock lease of shard %d: %w", l.shard, err)
+		}
 		var one int
 		err := tx.QueryRow(ctx, r.sql.checkLease, l.shard, l.token).Scan(&one)
 		if errors.Is(err, pgx.ErrNoRows) {
@@ -210,7 +245,7 @@ func (l *lease) fenced(ctx context.Context, fn func(pgx.Tx) error) error {
 		if err != nil {
 			return fmt.Errorf("relay: lock lease of shard %d: %w", l.shard, err)
 		}
-		failpoint.Hit("relay.lease-locked")
+		failpoint.HitContext(ctx, "relay.lease-locked")
 		return fn(tx)
 	})
 	return err

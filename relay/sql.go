@@ -2,11 +2,17 @@ package relay
 
 import "github.com/txbox/txbox/internal/sqlname"
 
+// setIdleTimeout bounds, for the rest of a fenced transaction, how long the session may sit idle
+// in it before PostgreSQL ends the session ($1 in milliseconds).
+const setIdleTimeout = `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`
+
 type queries struct {
 	lockLeases, liveOtherLayout, dropOtherLayout, createLeases,
 	heartbeat, forgetNode, liveNodes, pruneNodes,
 	acquire, renew, release, checkLease,
 	readMessages, deleteRows, stats string
+
+	readCalls, startCall, rescheduleCall, insertCallResult string
 }
 
 func renderQueries(schema string) queries {
@@ -45,5 +51,30 @@ func renderQueries(schema string) queries {
 			FROM {schema}.txbox_outbox WHERE kind = 'message' AND slot = ANY($1) ORDER BY id LIMIT $2`),
 		deleteRows: r(`DELETE FROM {schema}.txbox_outbox WHERE id = ANY($1)`),
 		stats:      r(`SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM {schema}.txbox_outbox`),
+
+		// Due calls of the lease's slots. A call waits while an earlier call with its partition key
+		// is pending, so calls on one key (charge, then refund) keep their order through retries.
+		readCalls: r(`SELECT o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text, o.idempotency_key
+			FROM {schema}.txbox_outbox AS o
+			WHERE o.kind = 'call' AND o.slot = ANY($1) AND o.next_attempt_at <= now()
+			  AND NOT EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS p
+				WHERE p.kind = 'call' AND p.slot = o.slot AND p.partition_key = o.partition_key AND p.id < o.id)
+			ORDER BY o.id LIMIT $2`),
+		// Runs in the fenced transaction right before a send: the first attempt is recorded before
+		// any byte leaves, and the age is measured by the database clock at this instant
+		// (clock_timestamp, not the transaction's start).
+		startCall: r(`UPDATE {schema}.txbox_outbox
+			SET first_attempt_at = coalesce(first_attempt_at, now()), attempts = attempts + 1
+			WHERE id = $1 AND kind = 'call'
+			RETURNING attempts, first_attempt_at, (extract(epoch FROM clock_timestamp() - first_attempt_at) * 1000)::bigint`),
+		rescheduleCall: r(`UPDATE {schema}.txbox_outbox
+			SET next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond', last_error = left($3, 4000)
+			WHERE id = $1`),
+		// A key used by two calls (an explicit key written twice) keeps its first result: the second
+		// call got the provider's replay of it.
+		insertCallResult: r(`INSERT INTO {schema}.txbox_call_result
+			(idempotency_key, call_uuid, outcome, http_status, object_id, body, attempts, duration_ms)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+			ON CONFLICT (idempotency_key) DO NOTHING`),
 	}
 }

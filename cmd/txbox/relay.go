@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -28,6 +29,8 @@ type relayFlags struct {
 	shards, batchSize                                  intValue
 	leaseTTL, pollInterval                             durationValue
 	transactional                                      boolValue
+	stripeURL                                          string
+	replayWindow, callTimeout                          durationValue
 }
 
 func runRelay(ctx context.Context, args []string, _ io.Writer) error {
@@ -35,7 +38,7 @@ func runRelay(ctx context.Context, args []string, _ io.Writer) error {
 	s := relayFlags{
 		shards: intValue(relay.DefaultShards), batchSize: intValue(relay.DefaultBatchSize),
 		leaseTTL: durationValue(relay.DefaultLeaseTTL), pollInterval: durationValue(relay.DefaultPollInterval),
-		transactional: true,
+		transactional: true, replayWindow: durationValue(relay.DefaultReplayWindow),
 	}
 	f.stringEnv(&s.dsn, "database-url", "TXBOX_DATABASE_URL", "", "PostgreSQL connection string (the password may come from PGPASSWORD)")
 	f.stringEnv(&s.schema, "schema", "TXBOX_SCHEMA", sqlname.DefaultSchema, "schema holding txbox's tables")
@@ -48,6 +51,10 @@ func runRelay(ctx context.Context, args []string, _ io.Writer) error {
 	f.varEnv(&s.leaseTTL, "lease-ttl", "TXBOX_LEASE_TTL", "lease lifetime; a dead relay's shards move within about this long")
 	f.varEnv(&s.pollInterval, "poll-interval", "TXBOX_POLL_INTERVAL", "idle wait between looks for new rows (publish latency at low load)")
 	f.varEnv(&s.transactional, "transactional", "TXBOX_TRANSACTIONAL", "publish each batch as a Kafka transaction, fencing relays that lost their lease; false = idempotent producer only")
+	// The Stripe key has no flag on purpose: flags show in ps and shell history.
+	f.stringEnv(&s.stripeURL, "stripe-base-url", "TXBOX_STRIPE_BASE_URL", relay.DefaultStripeURL, "Stripe API address for side-effect calls, which run when "+relay.APIKeyEnvVar+" is set")
+	f.varEnv(&s.replayWindow, "call-replay-window", "TXBOX_CALL_REPLAY_WINDOW", "oldest first attempt a call may have when sent; older calls go to the DLQ for reconciliation (below 24h)")
+	f.varEnv(&s.callTimeout, "call-timeout", "TXBOX_CALL_TIMEOUT", "timeout of one side-effect request (default two thirds of --lease-ttl)")
 	if err := f.parse(args); err != nil {
 		return err
 	}
@@ -75,13 +82,19 @@ func runRelay(ctx context.Context, args []string, _ io.Writer) error {
 	}
 	defer pool.Close()
 
+	var calls *relay.CallConfig
+	if os.Getenv(relay.APIKeyEnvVar) != "" {
+		calls = &relay.CallConfig{BaseURL: s.stripeURL, ReplayWindow: time.Duration(s.replayWindow), Timeout: time.Duration(s.callTimeout)}
+	} else {
+		slog.Info("side-effect calls are not executed: " + relay.APIKeyEnvVar + " is not set")
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	r, err := relay.New(relay.Config{
 		DB: pool, Sink: sink, Schema: s.schema, Owner: s.owner,
 		Shards: int(s.shards), BatchSize: int(s.batchSize),
 		LeaseTTL: time.Duration(s.leaseTTL), PollInterval: time.Duration(s.pollInterval),
-		Registerer: reg,
+		Calls: calls, Registerer: reg,
 	})
 	if err != nil {
 		return fmt.Errorf("%w: %w", errUsage, err)

@@ -1,0 +1,219 @@
+package outbox_test
+
+import (
+	"context"
+	"encoding/json"
+	"net/url"
+	"strings"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txbox/txbox/internal/pgtest"
+	"github.com/txbox/txbox/internal/txtest"
+	"github.com/txbox/txbox/outbox"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+type callBundle struct {
+	env *txtest.Env
+	w   *outbox.Writer
+}
+
+func setupCalls(t *testing.T) *callBundle {
+	t.Helper()
+	env := txtest.New(t)
+	w, err := outbox.New(outbox.Config{Schema: env.Schema})
+	require.NoError(t, err)
+	return &callBundle{env: env, w: w}
+}
+
+// write runs Call in its own transaction, committed or rolled back.
+func (b *callBundle) write(t *testing.T, ctx context.Context, commit bool, c outbox.Call) (string, error) {
+	t.Helper()
+	tx, err := b.env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	key, err := b.w.Call(ctx, tx, c)
+	if commit && err == nil {
+		require.NoError(t, tx.Commit(ctx))
+	} else {
+		require.NoError(t, tx.Rollback(ctx))
+	}
+	return key, err
+}
+
+func (b *callBundle) rows(t *testing.T) int {
+	t.Helper()
+	var n int
+	require.NoError(t, b.env.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+b.env.Q("txbox_outbox")).Scan(&n))
+	return n
+}
+
+func charge(name string) outbox.Call {
+	return outbox.Call{
+		Name: name, Path: "/v1/charges",
+		Params: url.Values{"amount": {"1000"}, "currency": {"eur"}, "source": {"tok_visa"}},
+	}
+}
+
+// A redelivered message is processed again only when its first processing rolled back; the call it
+// writes again must carry the same key, or the provider would execute it twice.
+func TestCallKeyIsStableAcrossRedeliveries(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	ctx := outbox.ContextWithSource(context.Background(), "payments", "msg-1")
+
+	first, err := b.write(t, ctx, false, charge("charge")) // the delivery whose consumer crashed
+	require.NoError(t, err)
+	require.Zero(t, b.rows(t), "a rolled-back handler writes no call")
+	again, err := b.write(t, ctx, true, charge("charge")) // the redelivery
+	require.NoError(t, err)
+	require.Equal(t, first, again)
+	require.Equal(t, outbox.IdempotencyKey("payments", "msg-1", "charge"), again)
+	require.True(t, strings.HasPrefix(again, "txbox_"), again)
+	require.LessOrEqual(t, len(again), outbox.MaxIdempotencyKeyLength)
+
+	others := map[string]string{
+		"another call of the message": outbox.IdempotencyKey("payments", "msg-1", "refund"),
+		"another message":             outbox.IdempotencyKey("payments", "msg-2", "charge"),
+		"another consumer":            outbox.IdempotencyKey("billing", "msg-1", "charge"),
+		"shifted boundaries":          outbox.IdempotencyKey("payment", "smsg-1", "charge"),
+	}
+	seen := map[string]string{again: "the call"}
+	for what, k := range others {
+		require.NotContains(t, seen, k, "%s shares a key with %s", what, seen[k])
+		seen[k] = what
+	}
+	require.NotEqual(t, outbox.IdempotencyKey("a", "bc", "d"), outbox.IdempotencyKey("ab", "c", "d"))
+}
+
+func TestCallStoresTheRequest(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	ctx := outbox.ContextWithSource(context.Background(), "payments", "msg-1")
+	c := charge("charge")
+	c.Method = "post"
+	c.Params.Set("metadata[order_id]", "o-7")
+	c.StripeAccount = "acct_123"
+	c.ReplyTopic = "charges.results"
+	c.Metadata = map[string]string{"order_id": "o-7"}
+	key, err := b.write(t, ctx, true, c)
+	require.NoError(t, err)
+
+	var (
+		kind, topic, pk, id, idem, meta string
+		slot                            int16
+		payload                         []byte
+		attempts                        int
+		due                             bool
+	)
+	require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT kind, topic, partition_key, uuid, idempotency_key, metadata::text, slot, payload,
+		attempts, next_attempt_at <= now() FROM `+b.env.Q("txbox_outbox")).
+		Scan(&kind, &topic, &pk, &id, &idem, &meta, &slot, &payload, &attempts, &due))
+	require.Equal(t, "call", kind)
+	require.Equal(t, "charges.results", topic)
+	require.Equal(t, key, idem)
+	require.Equal(t, key, pk, "the partition key defaults to the idempotency key")
+	require.Equal(t, outbox.CallUUID(key), id)
+	require.Equal(t, outbox.SlotOf(key, id), slot)
+	require.Zero(t, attempts)
+	require.True(t, due, "a new call is due at once")
+
+	var req outbox.CallRequest
+	require.NoError(t, json.Unmarshal(payload, &req))
+	require.Equal(t, outbox.CallRequest{
+		Provider: outbox.ProviderStripe, Name: "charge", Method: "POST", Path: "/v1/charges",
+		Params:        url.Values{"amount": {"1000"}, "currency": {"eur"}, "source": {"tok_visa"}, "metadata[order_id]": {"o-7"}},
+		StripeAccount: "acct_123",
+	}, req)
+	var md map[string]string
+	require.NoError(t, json.Unmarshal([]byte(meta), &md))
+	require.Equal(t, "o-7", md["order_id"])
+}
+
+func TestCallWithExplicitKeyAndPartitionKey(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	c := charge("")
+	c.IdempotencyKey = "order-7-charge"
+	c.PartitionKey = "order-7"
+	key, err := b.write(t, context.Background(), true, c) // no inbox source needed
+	require.NoError(t, err)
+	require.Equal(t, "order-7-charge", key)
+
+	// An explicit key wins over the source in the context.
+	ctx := outbox.ContextWithSource(context.Background(), "payments", "msg-1")
+	c.IdempotencyKey = "order-7-refund"
+	key, err = b.write(t, ctx, true, c)
+	require.NoError(t, err)
+	require.Equal(t, "order-7-refund", key)
+
+	var slots []int16
+	rows, err := b.env.Pool.Query(ctx, "SELECT DISTINCT slot FROM "+b.env.Q("txbox_outbox")+" WHERE partition_key = 'order-7'")
+	require.NoError(t, err)
+	for rows.Next() {
+		var s int16
+		require.NoError(t, rows.Scan(&s))
+		slots = append(slots, s)
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, []int16{outbox.SlotOf("order-7", "")}, slots, "one partition key, one slot")
+}
+
+func TestCallRejectsWhatCannotBeExecuted(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	source := outbox.ContextWithSource(context.Background(), "payments", "msg-1")
+	with := func(f func(*outbox.Call)) outbox.Call {
+		c := charge("charge")
+		f(&c)
+		return c
+	}
+	cases := []struct {
+		name string
+		ctx  context.Context
+		call outbox.Call
+	}{
+		{"no source and no key", context.Background(), charge("charge")},
+		{"no name to derive the key", source, charge("")},
+		{"a read", source, with(func(c *outbox.Call) { c.Method = "GET" })},
+		{"not a Stripe path", source, with(func(c *outbox.Call) { c.Path = "/charges" })},
+		{"a v2 path", source, with(func(c *outbox.Call) { c.Path = "/v2/core/events" })},
+		{"a query string", source, with(func(c *outbox.Call) { c.Path = "/v1/charges?amount=1" })},
+		{"a dot-dot path", source, with(func(c *outbox.Call) { c.Path = "/v1/../admin" })},
+		{"a key over 255", source, with(func(c *outbox.Call) { c.IdempotencyKey = strings.Repeat("k", 256) })},
+		{"a key with spaces around", source, with(func(c *outbox.Call) { c.IdempotencyKey = " k" })},
+		{"a key with a newline", source, with(func(c *outbox.Call) { c.IdempotencyKey = "k\nX-Evil: 1" })},
+		{"a bad Stripe-Account", source, with(func(c *outbox.Call) { c.StripeAccount = "acct_1\r\n" })},
+		{"reserved metadata", source, with(func(c *outbox.Call) {
+			c.Metadata = map[string]string{"_watermill_message_uuid": "x"}
+		})},
+	}
+	for _, tc := range cases {
+		_, err := b.write(t, tc.ctx, true, tc.call)
+		require.ErrorIs(t, err, outbox.ErrInvalidCall, tc.name)
+	}
+	require.Zero(t, b.rows(t), "nothing was written")
+
+	_, err := b.write(t, source, true, with(func(c *outbox.Call) { c.IdempotencyKey = strings.Repeat("k", 255) }))
+	require.NoError(t, err, "255 characters is Stripe's limit, not over it")
+}
+
+func TestParseCallResult(t *testing.T) {
+	t.Parallel()
+	in := outbox.CallResult{
+		CallUUID: outbox.CallUUID("k"), IdempotencyKey: "k", Outcome: outbox.OutcomeSucceeded,
+		HTTPStatus: 200, ObjectID: "ch_1", Body: json.RawMessage(`{"id":"ch_1"}`), Attempts: 2,
+	}
+	payload, err := json.Marshal(in)
+	require.NoError(t, err)
+	out, err := outbox.ParseCallResult(message.NewMessage(outbox.ReplyUUID("k"), payload))
+	require.NoError(t, err)
+	require.Equal(t, in, out)
+
+	_, err = outbox.ParseCallResult(message.NewMessage("x", []byte(`{"hello":"world"}`)))
+	require.Error(t, err)
+	require.NotEqual(t, outbox.CallUUID("k"), outbox.ReplyUUID("k"))
+}
