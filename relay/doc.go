@@ -1,0 +1,64 @@
+// Package relay moves committed outbox rows out of the database: it publishes messages to a broker
+// (Kafka through KafkaSink, or any Watermill publisher) and executes side-effect calls written with
+// outbox.Call. Relays share the outbox through per-shard leases with fencing tokens; every state
+// change a relay makes runs in a transaction that locks its lease row and checks its token.
+//
+// # Reading without skipping
+//
+// A row is pending while it exists: the relay deletes it in the fenced transaction that records
+// its completion. The relay therefore reads "what is present, in id order", never "ids above the
+// last one seen", so a transaction that took a low id and committed late is read when it commits,
+// and an uncommitted row is never seen.
+//
+// # Shards, leases and fencing
+//
+// Partition keys hash to one of 256 slots (outbox.SlotOf); Config.Shards splits the slots into
+// shards, each owned by at most one relay at a time through a lease row (shard, owner, token,
+// expires_at). Taking a free or expired lease draws a new token from a sequence; the database
+// clock decides expiry. Each relay takes its fair share, ceil(shards / live relays), renews every
+// LeaseTTL/3, and releases its leases when it stops. Every state change a relay makes runs in a
+// transaction that first locks the shard's lease row FOR UPDATE and checks the token: a takeover
+// either committed before (the check fails and the shard is dropped) or waits until the change
+// commits. With KafkaSink, each shard publishes through a transactional producer whose
+// transactional.id derives from the shard, so a new owner's producer fences the old owner's, and
+// each batch is one Kafka transaction that read_committed consumers see whole or not at all.
+//
+// # Side-effect calls
+//
+// With Config.Calls set, each shard lease runs a call worker beside its message worker. For each
+// due call of the shard:
+//
+//  1. In a fenced transaction, record the attempt (first_attempt_at is set once, attempts counts
+//     up) and measure the call's age with the database clock. A call older than
+//     CallConfig.ReplayWindow goes to the dead-letter table in that same transaction and is never
+//     sent.
+//  2. Send it through stripe-go with its Idempotency-Key, within a deadline that is the smaller of
+//     CallConfig.Timeout and the time left in the replay window, counted from before step 1.
+//  3. In a fenced transaction, act on the answer: a 2xx, a business refusal (402, a declined card)
+//     or a request the provider refuses outright (other 400s, 404) is an outcome: store it in
+//     txbox_call_result, write the reply message if the call asked for one, delete the row. A 409
+//     (the key is in use), 429, 5xx, timeout or connection error is retried later with the same
+//     key. An idempotency_error (the key was used with other parameters) or a failure the provider
+//     stored for the key (so every retry replays it) goes to the dead-letter table.
+//
+// Crashes and takeovers between the steps are harmless because of the key: a call sent and not
+// completed is sent again by whoever holds the lease next, and the provider replays its stored
+// answer, or answers 409 while the first request still runs, which is retried. The reply's UUID is
+// derived from the key, so the relay and a zombie can only ever write the same reply.
+//
+// Calls with the same partition key run one after the other in the order they were written; a call
+// being retried holds back the later calls of its key.
+//
+// Leases do not bound a call: the relay renews its leases every LeaseTTL/3 on its own while calls
+// are in flight. A relay that loses its lease mid-call cancels the request and concludes nothing.
+//
+// # Residual risk
+//
+// Stripe forgets idempotency keys after 24 hours, and a call sent after that with a key it had
+// executed is executed again. The relay never starts a send past the replay window (default 23h),
+// and the request's deadline is set before the age check, so a request can reach Stripe late only
+// if the process stops dead between its last deadline check and the bytes leaving, for longer than
+// the margin between the window and 24 hours (plus network latency). The realistic case is a
+// suspended machine: Go's monotonic clock does not advance while the machine sleeps. Keep the
+// margin (24h minus ReplayWindow) larger than any pause you consider possible.
+package relay
