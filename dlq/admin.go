@@ -27,29 +27,13 @@ var (
 	ErrCallNotRedrivable = errors.New("dlq: side-effect calls cannot be redriven; reconcile them with the provider by hand, then discard them")
 )
 
-// Letter is one dead letter as stored.
+// Letter is one dead letter as stored: the Entry a component added, its id and its failure times.
 type Letter struct {
 	// ID identifies the letter in the admin API and the CLI.
-	ID     int64
-	Source Source
-	// Kind is "message" or "call".
-	Kind string
-	// Topic is where the message was consumed from (source "inbox") or was to be published to
-	// (source "relay"); a redrive publishes it there. For a call it is the reply topic.
-	Topic string
-	// Consumer and DedupKey identify the consumer's inbox row; empty for relay letters.
-	Consumer       string
-	DedupKey       string
-	PartitionKey   string
-	UUID           string
-	Payload        []byte
-	Metadata       map[string]string
-	IdempotencyKey string
-	Reason         string
-	Error          string
-	Attempts       int
-	FirstFailedAt  time.Time
-	LastFailedAt   time.Time
+	ID int64
+	Entry
+	FirstFailedAt time.Time
+	LastFailedAt  time.Time
 }
 
 // Filter selects dead letters. Conditions combine with AND; a zero field leaves its condition open.

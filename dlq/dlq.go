@@ -23,9 +23,13 @@ const (
 
 // Entry is one dead letter.
 type Entry struct {
-	Source         Source
-	Kind           string // "message" or "call"; empty means "message"
-	Topic          string
+	Source Source
+	// Kind is "message" or "call"; empty means "message".
+	Kind string
+	// Topic is where the message was consumed from (source "inbox") or was to be published to
+	// (source "relay"); a redrive publishes it there. For a call it is the reply topic.
+	Topic string
+	// Consumer and DedupKey identify the consumer's inbox row; empty for relay letters.
 	Consumer       string
 	DedupKey       string
 	PartitionKey   string
