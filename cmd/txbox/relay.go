@@ -25,12 +25,12 @@ import (
 
 // relayFlags are the settings of `txbox relay`.
 type relayFlags struct {
-	dsn, schema, brokers, owner, txPrefix, metricsAddr string
-	shards, batchSize                                  intValue
-	leaseTTL, pollInterval                             durationValue
-	transactional                                      boolValue
-	stripeURL                                          string
-	replayWindow, callTimeout                          durationValue
+	dsn, schema, brokers, owner, txPrefix, metricsAddr, lagGroups string
+	shards, batchSize                                             intValue
+	leaseTTL, pollInterval                                        durationValue
+	transactional                                                 boolValue
+	stripeURL                                                     string
+	replayWindow, callTimeout                                     durationValue
 }
 
 func runRelay(ctx context.Context, args []string, _ io.Writer) error {
@@ -46,6 +46,7 @@ func runRelay(ctx context.Context, args []string, _ io.Writer) error {
 	f.stringEnv(&s.owner, "owner", "TXBOX_RELAY_OWNER", "", "unique name of this relay in the lease table (default host-pid-random)")
 	f.stringEnv(&s.txPrefix, "transactional-id-prefix", "TXBOX_TRANSACTIONAL_ID_PREFIX", "txbox", "prefix of each shard's Kafka transactional.id; unique per outbox on a cluster")
 	f.stringEnv(&s.metricsAddr, "metrics-addr", "TXBOX_METRICS_ADDR", "127.0.0.1:9464", "address serving /metrics; empty disables it")
+	f.stringEnv(&s.lagGroups, "lag-groups", "TXBOX_LAG_GROUPS", "", "comma-separated consumer groups whose lag is exported as txbox_consumer_lag_messages")
 	f.varEnv(&s.shards, "shards", "TXBOX_SHARDS", "number of shard leases; must divide 256 and be the same on every relay")
 	f.varEnv(&s.batchSize, "batch-size", "TXBOX_BATCH_SIZE", "rows published per batch (one Kafka transaction)")
 	f.varEnv(&s.leaseTTL, "lease-ttl", "TXBOX_LEASE_TTL", "lease lifetime; a dead relay's shards move within about this long")
@@ -105,6 +106,15 @@ func runRelay(ctx context.Context, args []string, _ io.Writer) error {
 			return err
 		}
 		defer stop()
+	}
+	if s.lagGroups != "" {
+		mon, err := relay.NewLagMonitor(relay.LagConfig{
+			Brokers: strings.Split(s.brokers, ","), Groups: strings.Split(s.lagGroups, ","), Registerer: reg,
+		})
+		if err != nil {
+			return fmt.Errorf("%w: --lag-groups: %w", errUsage, err)
+		}
+		go func() { _ = mon.Run(ctx) }()
 	}
 	return r.Run(ctx)
 }

@@ -156,3 +156,11 @@ func NewCalls(reg prometheus.Registerer) *Calls {
 		})),
 	}
 }
+
+// NewConsumerLag creates (or finds) the consumer lag gauge in reg.
+func NewConsumerLag(reg prometheus.Registerer) *prometheus.GaugeVec {
+	return register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "txbox_consumer_lag_messages",
+		Help: "Messages published to a topic and not yet committed by a consumer group: high-water mark minus committed offset, summed over the topic's partitions.",
+	}, []string{"group", "topic"}))
+}

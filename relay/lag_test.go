@@ -1,0 +1,63 @@
+package relay_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/relay"
+)
+
+func TestLagMonitorReportsWhatAGroupHasNotConsumed(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	brokers := kafkatest.Brokers(t)
+	// Idempotent, not transactional: a Kafka transaction leaves a commit marker that takes an offset
+	// of its own, so the lag of a transactional topic is off by up to one per partition.
+	idempotent, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers, Transactional: new(bool)})
+	require.NoError(t, err)
+	b.startRelay(t, func(c *relay.Config) { c.Sink = idempotent })
+	group := "lag-" + watermill.NewShortUUID()
+	mon, err := relay.NewLagMonitor(relay.LagConfig{Brokers: brokers, Groups: []string{group}})
+	require.NoError(t, err)
+	ctx := context.Background()
+
+	// The group consumes the first 10 messages and commits.
+	first := b.write(t, true, "k", 10)
+	sub, err := kafka.NewSubscriber(kafkatest.SubscriberConfig(brokers, group), watermill.NopLogger{})
+	require.NoError(t, err)
+	subCtx, cancel := context.WithCancel(ctx)
+	ch, err := sub.Subscribe(subCtx, b.topic)
+	require.NoError(t, err)
+	for range first {
+		m := <-ch
+		m.Ack()
+	}
+	require.Eventually(t, func() bool {
+		lag, err := mon.Measure(ctx)
+		return err == nil && len(lag[group]) == 1 && lag[group][b.topic] == 0
+	}, 30*time.Second, 50*time.Millisecond, "the committed group has no lag")
+	cancel()
+	require.NoError(t, sub.Close())
+
+	// With the group gone, 5 more messages are published: the lag is 5.
+	b.write(t, true, "k", 5)
+	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool {
+		lag, err := mon.Measure(ctx)
+		return err == nil && lag[group][b.topic] == 5
+	}, 30*time.Second, 50*time.Millisecond)
+}
+
+func TestLagConfigIsValidated(t *testing.T) {
+	t.Parallel()
+	_, err := relay.NewLagMonitor(relay.LagConfig{Groups: []string{"g"}})
+	require.ErrorContains(t, err, "LagConfig.Brokers")
+	_, err = relay.NewLagMonitor(relay.LagConfig{Brokers: []string{"x:1"}})
+	require.ErrorContains(t, err, "LagConfig.Groups")
+}
