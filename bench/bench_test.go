@@ -1,0 +1,263 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/txbox/txbox/inbox"
+	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/internal/txtest"
+	"github.com/txbox/txbox/relay"
+)
+
+// drainTimeout bounds one drain; even the slowest variant moves 20k messages in seconds.
+const drainTimeout = 5 * time.Minute
+
+// prefillChunk is the producer transaction size used to build a backlog; the backlog is written
+// before the clock starts, so it only has to be the same for every variant.
+const prefillChunk = 500
+
+// BenchmarkOutboxPublish measures the producer side: messages written into the outbox by one client,
+// in committed transactions of 1, 10 or 100 messages. The baseline is Watermill's outbox publisher:
+// a forwarder publisher over watermill-sql's publisher on the same transaction.
+func BenchmarkOutboxPublish(b *testing.B) {
+	for _, perTx := range []int{1, 10, 100} {
+		name := fmt.Sprintf("%d-msgs-per-tx", perTx)
+		if perTx == 1 {
+			name = "1-msg-per-tx"
+		}
+		b.Run(name, func(b *testing.B) {
+			b.Run("watermill-forwarder", func(b *testing.B) {
+				o := newWatermillOutbox(b)
+				benchPublish(b, o.env, perTx, o.publish("orders"))
+			})
+			b.Run("txbox", func(b *testing.B) {
+				o := newTxboxOutbox(b)
+				benchPublish(b, o.env, perTx, o.publish("orders"))
+			})
+		})
+	}
+}
+
+func benchPublish(b *testing.B, env *txtest.Env, perTx int, write func(pgx.Tx, []*message.Message) error) {
+	msgs := messages(b.N, true)
+	b.ResetTimer()
+	writeInChunks(b, env, msgs, perTx, write)
+	b.StopTimer()
+	reportRate(b, b.N)
+}
+
+// BenchmarkRelayDrain measures the time to move a backlog of b.N committed messages to Kafka,
+// counting from the start of the process that moves them.
+//
+//   - watermill-forwarder: Watermill's outbox, the baseline (watermill-sql subscriber → forwarder →
+//     watermill-kafka Publisher).
+//   - watermill-publisher-sink: the txbox relay publishing through watermill-kafka's Publisher
+//     (relay.WatermillSink), which sends one message per request.
+//   - txbox-idempotent: the relay's Kafka sink with an idempotent, non-transactional producer.
+//   - txbox-transactional: the relay's default, one Kafka transaction per batch, fenced per shard.
+func BenchmarkRelayDrain(b *testing.B) {
+	b.Run("watermill-forwarder", func(b *testing.B) {
+		o := newWatermillOutbox(b)
+		topic := kafkatest.Topic(b)
+		writeInChunks(b, o.env, messages(b.N, true), prefillChunk, o.publish(topic))
+		b.ResetTimer()
+		forwarded, stop := o.startForwarder(b, 10*time.Millisecond)
+		waitUntil(b, "the forwarder to drain the backlog", drainTimeout, func() bool { return forwarded() >= b.N })
+		b.StopTimer()
+		stop()
+		requireRecords(b, topic, b.N)
+		reportRate(b, b.N)
+	})
+	b.Run("watermill-publisher-sink", func(b *testing.B) {
+		pub := watermillKafkaPublisher(b)
+		defer pub.Close()
+		drainWithRelay(b, func(*txtest.Env) relay.Sink { return relay.WatermillSink{Publisher: pub} })
+	})
+	b.Run("txbox-idempotent", func(b *testing.B) {
+		drainWithRelay(b, func(env *txtest.Env) relay.Sink { return kafkaSink(b, env, false) })
+	})
+	b.Run("txbox-transactional", func(b *testing.B) {
+		drainWithRelay(b, func(env *txtest.Env) relay.Sink { return kafkaSink(b, env, true) })
+	})
+}
+
+func drainWithRelay(b *testing.B, sink func(*txtest.Env) relay.Sink) {
+	o := newTxboxOutbox(b)
+	topic := kafkatest.Topic(b)
+	writeInChunks(b, o.env, messages(b.N, true), prefillChunk, o.publish(topic))
+	b.ResetTimer()
+	published, stop := startRelay(b, o.env, sink(o.env), relay.DefaultPollInterval)
+	waitUntil(b, "the relay to drain the backlog", drainTimeout, func() bool { return published() >= b.N })
+	b.StopTimer()
+	stop()
+	requireRecords(b, topic, b.N)
+	reportRate(b, b.N)
+}
+
+// BenchmarkInboxDedup measures one handler goroutine behind the inbox middleware; the handler
+// inserts one business row. The baseline is the same handler in a plain transaction, without
+// deduplication. inbox-fresh-no-attempt-count turns off the durable attempt counter (MaxAttempts
+// < 0), whose own small transaction per delivery is what bounds poison messages.
+func BenchmarkInboxDedup(b *testing.B) {
+	b.Run("plain-tx", func(b *testing.B) {
+		env := newEffectsEnv(b)
+		msgs := messages(b.N, false)
+		ctx := context.Background()
+		b.ResetTimer()
+		for _, m := range msgs {
+			err := pgx.BeginFunc(ctx, env.Pool, func(tx pgx.Tx) error { return applyEffect(ctx, env, tx, m) })
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.StopTimer()
+		reportRate(b, b.N)
+	})
+	b.Run("inbox-fresh", func(b *testing.B) { benchInbox(b, inbox.DefaultMaxAttempts, false) })
+	b.Run("inbox-fresh-no-attempt-count", func(b *testing.B) { benchInbox(b, -1, false) })
+	b.Run("inbox-duplicate", func(b *testing.B) { benchInbox(b, inbox.DefaultMaxAttempts, true) })
+}
+
+func newEffectsEnv(b *testing.B) *txtest.Env {
+	env := txtest.New(b)
+	if _, err := env.Pool.Exec(context.Background(), "CREATE TABLE "+env.Q("bench_effect")+" (uuid text PRIMARY KEY, payload bytea NOT NULL)"); err != nil {
+		b.Fatal(err)
+	}
+	return env
+}
+
+func applyEffect(ctx context.Context, env *txtest.Env, tx pgx.Tx, m *message.Message) error {
+	_, err := tx.Exec(ctx, "INSERT INTO "+env.Q("bench_effect")+" (uuid, payload) VALUES ($1, $2)", m.UUID, m.Payload)
+	return err
+}
+
+// benchInbox calls the middleware directly, without a broker, so only the inbox's cost is measured.
+// With duplicates, every message is marked processed before the clock starts.
+func benchInbox(b *testing.B, maxAttempts int, duplicates bool) {
+	env := newEffectsEnv(b)
+	ib, err := inbox.New(inbox.Config{DB: env.Pool, Consumer: "bench", Schema: env.Schema, MaxAttempts: maxAttempts}, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	handle := ib.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		tx, _ := inbox.TxFromContext(m.Context())
+		return nil, applyEffect(m.Context(), env, tx, m)
+	})
+	msgs := messages(b.N, false)
+	if duplicates {
+		markProcessed(b, env, "bench", msgs)
+	}
+	b.ResetTimer()
+	for _, m := range msgs {
+		if _, err := handle(m); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	reportRate(b, b.N)
+}
+
+// latencyGap spaces messages at 200 per second: low load, so the latency is the pipeline's own,
+// not queueing.
+const latencyGap = 5 * time.Millisecond
+
+// latencyPoll is both pipelines' idle poll interval here, so neither wins by polling more often.
+const latencyPoll = 10 * time.Millisecond
+
+// BenchmarkLatency measures commit → consumer receive of single-message transactions at low load,
+// through each pipeline to a read_committed watermill-kafka subscriber. b.N counts messages.
+func BenchmarkLatency(b *testing.B) {
+	b.Run("watermill-forwarder", func(b *testing.B) {
+		o := newWatermillOutbox(b)
+		_, stop := o.startForwarder(b, latencyPoll)
+		defer stop()
+		topic := kafkatest.Topic(b)
+		measureLatency(b, o.env, o.publish(topic), topic)
+	})
+	b.Run("txbox", func(b *testing.B) {
+		o := newTxboxOutbox(b)
+		_, stop := startRelay(b, o.env, kafkaSink(b, o.env, true), latencyPoll)
+		defer stop()
+		topic := kafkatest.Topic(b)
+		measureLatency(b, o.env, o.publish(topic), topic)
+	})
+}
+
+func measureLatency(b *testing.B, env *txtest.Env, write func(pgx.Tx, []*message.Message) error, topic string) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ch, err := kafkatest.NewSubscriber(b, "latency-"+env.Schema).Subscribe(ctx, topic)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var mu sync.Mutex
+	received := map[string]time.Time{}
+	go func() {
+		for m := range ch {
+			at := time.Now()
+			mu.Lock()
+			received[m.UUID] = at
+			mu.Unlock()
+			m.Ack()
+		}
+	}()
+	arrived := func(msgs []*message.Message) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, m := range msgs {
+			if _, ok := received[m.UUID]; !ok {
+				return false
+			}
+		}
+		return true
+	}
+
+	// Time nothing until the consumer group has joined and every shard's producer is open; a few
+	// keys reach every partition.
+	warm := messages(50, true)
+	writeInChunks(b, env, warm, 1, write)
+	waitUntil(b, "the pipeline to deliver its first messages", time.Minute, func() bool { return arrived(warm) })
+
+	msgs := messages(b.N, true)
+	sent := make([]time.Time, b.N)
+	tick := time.NewTicker(latencyGap)
+	defer tick.Stop()
+	b.ResetTimer()
+	for i := range msgs {
+		<-tick.C
+		writeInChunks(b, env, msgs[i:i+1], 1, write)
+		sent[i] = time.Now()
+	}
+	waitUntil(b, "every message to arrive", time.Minute, func() bool { return arrived(msgs) })
+	b.StopTimer()
+
+	mu.Lock()
+	lat := make([]time.Duration, len(msgs))
+	for i, m := range msgs {
+		// The consumer can see a message a hair before Commit returns to the producer.
+		lat[i] = max(received[m.UUID].Sub(sent[i]), 0)
+	}
+	mu.Unlock()
+	reportLatency(b, lat)
+}
+
+// markProcessed writes the inbox rows that processing msgs would have left, in one statement:
+// processing them through the middleware first would take longer than the benchmark itself.
+func markProcessed(b *testing.B, env *txtest.Env, consumer string, msgs []*message.Message) {
+	uuids := make([]string, len(msgs))
+	for i, m := range msgs {
+		uuids[i] = m.UUID
+	}
+	_, err := env.Pool.Exec(context.Background(), "INSERT INTO "+env.Q("txbox_inbox")+
+		" (consumer, dedup_key, message_uuid, topic) SELECT $1, u, u, '' FROM unnest($2::text[]) AS u", consumer, uuids)
+	if err != nil {
+		b.Fatal(err)
+	}
+}

@@ -1,0 +1,341 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"math"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/components/forwarder"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/internal/txtest"
+	"github.com/txbox/txbox/outbox"
+	"github.com/txbox/txbox/relay"
+)
+
+// payloadBytes matches the message size FACTS.md's throughput numbers were measured with.
+const payloadBytes = 200
+
+// payload is a JSON document of payloadBytes, because watermill-sql's default payload column is JSON.
+func payload(i int) []byte {
+	head := fmt.Sprintf(`{"n":%d,"pad":"`, i)
+	return []byte(head + strings.Repeat("x", payloadBytes-len(head)-2) + `"}`)
+}
+
+// messages returns n messages. Keyed ones carry one of 1000 partition keys, like events of many
+// orders, so they spread over every relay shard.
+func messages(n int, keyed bool) []*message.Message {
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(watermill.NewUUID(), payload(i))
+		if keyed {
+			outbox.SetPartitionKey(msgs[i], fmt.Sprintf("order-%d", i%1000))
+		}
+	}
+	return msgs
+}
+
+// writeInChunks writes msgs with write, per transactions of chunk messages.
+func writeInChunks(b *testing.B, env *txtest.Env, msgs []*message.Message, chunk int, write func(pgx.Tx, []*message.Message) error) {
+	b.Helper()
+	ctx := context.Background()
+	for start := 0; start < len(msgs); start += chunk {
+		err := pgx.BeginFunc(ctx, env.Pool, func(tx pgx.Tx) error {
+			return write(tx, msgs[start:min(start+chunk, len(msgs))])
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func reportRate(b *testing.B, n int) {
+	b.ReportMetric(float64(n)/b.Elapsed().Seconds(), "msgs/s")
+}
+
+// waitUntil polls cond; a pipeline that stalls fails the benchmark instead of hanging it.
+func waitUntil(b *testing.B, what string, timeout time.Duration, cond func() bool) {
+	b.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			b.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+func quietLogger(b *testing.B) *slog.Logger {
+	return slog.New(slog.NewTextHandler(logWriter{b}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+}
+
+// logWriter sends logs to b.Log, which prints them after the result line rather than inside it.
+type logWriter struct{ b *testing.B }
+
+func (w logWriter) Write(p []byte) (int, error) {
+	w.b.Log(strings.TrimSpace(string(p)))
+	return len(p), nil
+}
+
+// newEnv is a migrated schema whose pool already holds all its connections: a relay's shards each
+// need one at once, and opening a PostgreSQL connection (a process fork) takes longer than
+// publishing a batch, so a cold pool would time connection set-up rather than the pipeline.
+func newEnv(b *testing.B) *txtest.Env {
+	env := txtest.New(b)
+	ctx := context.Background()
+	conns := make([]*pgxpool.Conn, env.Pool.Config().MaxConns)
+	for i := range conns {
+		c, err := env.Pool.Acquire(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		conns[i] = c
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+	return env
+}
+
+// --- txbox --------------------------------------------------------------------------------------
+
+type txboxOutbox struct {
+	env    *txtest.Env
+	writer *outbox.Writer
+}
+
+func newTxboxOutbox(b *testing.B) *txboxOutbox {
+	env := newEnv(b)
+	w, err := outbox.New(outbox.Config{Schema: env.Schema})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return &txboxOutbox{env: env, writer: w}
+}
+
+func (o *txboxOutbox) publish(topic string) func(pgx.Tx, []*message.Message) error {
+	return func(tx pgx.Tx, msgs []*message.Message) error {
+		return o.writer.Publish(context.Background(), tx, topic, msgs...)
+	}
+}
+
+func kafkaSink(b *testing.B, env *txtest.Env, transactional bool) relay.Sink {
+	s, err := relay.NewKafkaSink(relay.KafkaConfig{
+		Brokers:               kafkatest.Brokers(b),
+		Transactional:         &transactional,
+		TransactionalIDPrefix: env.Schema,
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return s
+}
+
+// startRelay runs a relay with its defaults (16 shards, batches of 500) except the poll interval.
+// published counts the messages it has published and completed.
+func startRelay(b *testing.B, env *txtest.Env, sink relay.Sink, poll time.Duration) (published func() int, stop func()) {
+	b.Helper()
+	reg := prometheus.NewRegistry()
+	r, err := relay.New(relay.Config{
+		DB: env.Pool, Sink: sink, Schema: env.Schema, PollInterval: poll,
+		Logger: quietLogger(b), Registerer: reg,
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	published = func() int {
+		mfs, err := reg.Gather()
+		if err != nil {
+			b.Error(err)
+			return 0
+		}
+		for _, mf := range mfs {
+			if mf.GetName() == "txbox_relay_published_total" {
+				return int(mf.GetMetric()[0].GetCounter().GetValue())
+			}
+		}
+		return 0
+	}
+	return published, func() {
+		cancel()
+		if err := <-done; err != nil {
+			b.Error(err)
+		}
+	}
+}
+
+// --- Watermill's outbox: watermill-sql + components/forwarder -----------------------------------
+
+// watermillOutbox is Watermill's documented outbox: producers publish through a forwarder publisher
+// wrapping a watermill-sql publisher on their transaction; the forwarder reads the table with a
+// watermill-sql subscriber and publishes to Kafka. Tables live in the test's schema.
+type watermillOutbox struct {
+	env     *txtest.Env
+	schema  wsql.DefaultPostgreSQLSchema
+	offsets wsql.DefaultPostgreSQLOffsetsAdapter
+}
+
+// forwarderTopic is the watermill-sql topic the forwarder reads its envelopes from.
+const forwarderTopic = "forwarder"
+
+func newWatermillOutbox(b *testing.B) *watermillOutbox {
+	env := newEnv(b)
+	o := &watermillOutbox{
+		env: env,
+		schema: wsql.DefaultPostgreSQLSchema{
+			GenerateMessagesTableName: func(topic string) string {
+				return pgx.Identifier{env.Schema, "watermill_" + topic}.Sanitize()
+			},
+		},
+		offsets: wsql.DefaultPostgreSQLOffsetsAdapter{
+			GenerateMessagesOffsetsTableName: func(topic string) string {
+				return pgx.Identifier{env.Schema, "watermill_offsets_" + topic}.Sanitize()
+			},
+		},
+	}
+	if err := o.subscriber(b, time.Second).SubscribeInitialize(forwarderTopic); err != nil {
+		b.Fatal(err)
+	}
+	return o
+}
+
+func (o *watermillOutbox) publish(topic string) func(pgx.Tx, []*message.Message) error {
+	return func(tx pgx.Tx, msgs []*message.Message) error {
+		pub, err := wsql.NewPublisher(wsql.TxFromPgx(tx), wsql.PublisherConfig{SchemaAdapter: o.schema}, nil)
+		if err != nil {
+			return err
+		}
+		return forwarder.NewPublisher(pub, forwarder.PublisherConfig{ForwarderTopic: forwarderTopic}).Publish(topic, msgs...)
+	}
+}
+
+func (o *watermillOutbox) subscriber(b *testing.B, poll time.Duration) *wsql.Subscriber {
+	sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(o.env.Pool), wsql.SubscriberConfig{
+		ConsumerGroup:  "forwarder",
+		PollInterval:   poll,
+		SchemaAdapter:  o.schema,
+		OffsetsAdapter: o.offsets,
+	}, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return sub
+}
+
+// startForwarder runs Watermill's forwarder to Kafka. forwarded counts the messages it has
+// published.
+func (o *watermillOutbox) startForwarder(b *testing.B, poll time.Duration) (forwarded func() int, stop func()) {
+	b.Helper()
+	pub := watermillKafkaPublisher(b)
+	var n atomic.Int64
+	count := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err == nil {
+				n.Add(1)
+			}
+			return out, err
+		}
+	}
+	f, err := forwarder.NewForwarder(o.subscriber(b, poll), pub, nil, forwarder.Config{
+		ForwarderTopic: forwarderTopic,
+		Middlewares:    []message.HandlerMiddleware{count},
+		CloseTimeout:   10 * time.Second,
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- f.Run(context.Background()) }()
+	return func() int { return int(n.Load()) }, func() {
+		if err := f.Close(); err != nil {
+			b.Error(err)
+		}
+		if err := <-done; err != nil {
+			b.Error(err)
+		}
+		_ = pub.Close()
+	}
+}
+
+// watermillKafkaPublisher is watermill-kafka's Publisher with its defaults, except a protocol
+// version kfake speaks, a short metadata backoff (so a new topic is found at once), and acks=all
+// like txbox's producer, so both wait for the same durability.
+func watermillKafkaPublisher(b *testing.B) *kafka.Publisher {
+	c := kafka.DefaultSaramaSyncPublisherConfig()
+	c.Version = sarama.V2_8_0_0
+	c.Metadata.Retry.Backoff = 100 * time.Millisecond
+	c.Producer.RequiredAcks = sarama.WaitForAll
+	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
+		Brokers:               kafkatest.Brokers(b),
+		Marshaler:             kafka.DefaultMarshaler{},
+		OverwriteSaramaConfig: c,
+	}, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return pub
+}
+
+// --- Kafka --------------------------------------------------------------------------------------
+
+// requireRecords fails unless topic holds at least n records: a drain that "finished" without
+// reaching Kafka would otherwise look fast. Transaction markers count too, hence at least.
+func requireRecords(b *testing.B, topic string, n int) {
+	b.Helper()
+	c := sarama.NewConfig()
+	c.Version = sarama.V2_8_0_0
+	client, err := sarama.NewClient(kafkatest.Brokers(b), c)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer client.Close()
+	partitions, err := client.Partitions(topic)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var total int64
+	for _, p := range partitions {
+		off, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			b.Fatal(err)
+		}
+		total += off
+	}
+	if total < int64(n) {
+		b.Fatalf("topic %s holds %d records, want at least %d", topic, total, n)
+	}
+}
+
+// percentile of sorted durations, nearest rank.
+func percentile(sorted []time.Duration, q float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(q*float64(len(sorted)))) - 1
+	return sorted[max(i, 0)]
+}
+
+func reportLatency(b *testing.B, lat []time.Duration) {
+	slices.Sort(lat)
+	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+	b.ReportMetric(ms(percentile(lat, 0.50)), "p50-ms")
+	b.ReportMetric(ms(percentile(lat, 0.99)), "p99-ms")
+}
