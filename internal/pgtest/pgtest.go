@@ -67,6 +67,21 @@ func Main(m *testing.M) {
 // server can be had.
 func AdminURL(t testing.TB) string {
 	t.Helper()
+	url, err := discoverOnce(t)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	return url
+}
+
+// URL is AdminURL for runnable examples, which have no testing.TB.
+func URL() (string, error) {
+	return discoverOnce(nil)
+}
+
+// discoverOnce discovers the server on the first call; t, when not nil,
+// receives the discovery's log lines.
+func discoverOnce(t testing.TB) (string, error) {
 	mu.Lock()
 	defer mu.Unlock()
 	if !discovered {
@@ -76,7 +91,7 @@ func AdminURL(t testing.TB) string {
 		//
 		// The server keeps logf for Stop, which Main calls after every test
 		// has ended, when t.Logf would panic; so t only while discovering.
-		logTo := t
+		var logTo testing.TB = t
 		logf := func(format string, args ...any) {
 			if logTo != nil {
 				logTo.Logf(format, args...)
@@ -90,13 +105,13 @@ func AdminURL(t testing.TB) string {
 		logTo = nil
 	}
 	if discoverErr != nil {
-		t.Fatalf("pgtest: %v", discoverErr)
+		return "", discoverErr
 	}
 	if server.Throwaway && !mainRunning && !warnedLeak {
 		warnedLeak = true
-		t.Logf("pgtest: this package's TestMain does not call pgtest.Main, so the throwaway server at %s will be left running", server.URL)
+		fmt.Fprintf(os.Stderr, "pgtest: this package's TestMain does not call pgtest.Main, so the throwaway server at %s will be left running\n", server.URL)
 	}
-	return server.URL
+	return server.URL, nil
 }
 
 // NewDatabase creates an empty database for this test alone, drops it when
