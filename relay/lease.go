@@ -28,6 +28,8 @@ type lease struct {
 	cancel context.CancelFunc
 	stop   chan struct{} // closed for a graceful stop: finish the batch in flight first
 	done   chan struct{}
+	// forgotten is closed once the relay no longer counts the lease as held.
+	forgotten chan struct{}
 
 	failures int // consecutive failed cycles, for backoff and for logging a failure streak once
 }

@@ -340,6 +340,7 @@ func (r *Relay) start(ctx context.Context, l *lease, lost chan<- *lease) {
 	l.slots = slotsOf(l.shard, r.cfg.Shards)
 	l.stop = make(chan struct{})
 	l.done = make(chan struct{})
+	l.forgotten = make(chan struct{})
 	// The worker's context is cancelled only when the lease is lost; a graceful stop lets the batch
 	// in flight finish first.
 	l.ctx, l.cancel = context.WithCancel(context.WithoutCancel(ctx))
@@ -367,7 +368,11 @@ func (r *Relay) start(ctx context.Context, l *lease, lost chan<- *lease) {
 		}
 		wg.Wait()
 		if fenced.Load() {
-			lost <- l
+			// A lease already dropped or released is forgotten: nobody needs the news.
+			select {
+			case lost <- l:
+			case <-l.forgotten:
+			}
 		}
 	}()
 }
@@ -380,6 +385,7 @@ func (r *Relay) forget(l *lease) bool {
 		return false
 	}
 	delete(r.held, l.shard)
+	close(l.forgotten)
 	return true
 }
 
