@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/txbox/txbox/internal/pgtext"
 	"github.com/txbox/txbox/internal/sqlname"
 )
 
@@ -70,9 +71,11 @@ func (w *Writer) Add(ctx context.Context, tx Execer, e Entry) error {
 	if kind == "" {
 		kind = "message"
 	}
-	meta := e.Metadata
-	if meta == nil {
-		meta = map[string]string{}
+	// A dead letter must always be storable: text the database would refuse is repaired, since
+	// failing here would leave the message failing on every delivery instead.
+	meta := make(map[string]string, len(e.Metadata))
+	for k, v := range e.Metadata {
+		meta[pgtext.Sanitize(k)] = pgtext.Sanitize(v)
 	}
 	metaJSON, err := json.Marshal(meta)
 	if err != nil {
@@ -86,8 +89,8 @@ func (w *Writer) Add(ctx context.Context, tx Execer, e Entry) error {
 	if payload == nil {
 		payload = []byte{}
 	}
-	_, err = tx.Exec(ctx, w.insert, string(e.Source), kind, e.Topic, e.Consumer, e.DedupKey, e.PartitionKey,
-		e.UUID, payload, string(metaJSON), idem, e.Reason, e.Error, e.Attempts)
+	_, err = tx.Exec(ctx, w.insert, string(e.Source), kind, e.Topic, e.Consumer, e.DedupKey, pgtext.Sanitize(e.PartitionKey),
+		pgtext.Sanitize(e.UUID), payload, string(metaJSON), idem, e.Reason, pgtext.Sanitize(e.Error), e.Attempts)
 	if err != nil {
 		return fmt.Errorf("dlq: add %s letter for %s: %w", e.Source, e.UUID, err)
 	}

@@ -2,6 +2,7 @@ package inbox
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strconv"
@@ -17,6 +18,7 @@ import (
 	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/internal/failpoint"
 	"github.com/txbox/txbox/internal/metrics"
+	"github.com/txbox/txbox/internal/pgtext"
 	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/outbox"
 )
@@ -164,8 +166,14 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 	ib.metrics.DedupChecks.WithLabelValues(consumer).Inc()
 
 	key, err := ib.cfg.DedupKey(msg)
-	if err == nil && key == "" {
+	switch {
+	case err != nil:
+	case key == "":
 		err = errors.New("empty dedup key")
+	case !pgtext.Valid(key) || !pgtext.Valid(msg.UUID):
+		// The database refuses such text: the message could be neither recorded nor processed.
+		err = errors.New("the message id or dedup key is not valid UTF-8 or contains NUL")
+		key = ""
 	}
 	if err != nil {
 		return ib.kill(ctx, msg, "", ReasonNoID, err, 0)
@@ -236,7 +244,7 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 	if err != nil {
 		return false, fmt.Errorf("inbox: insert %s: %w", key, err)
 	}
-	failpoint.Hit("inbox.after-insert")
+	failpoint.HitContext(ctx, "inbox.after-insert")
 	if tag.RowsAffected() == 0 {
 		return false, nil
 	}
@@ -245,7 +253,7 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 	msg.SetContext(outbox.ContextWithSource(context.WithValue(orig, txKey{}, tx), ib.cfg.Consumer, key))
 	produced, err := h(msg)
 	msg.SetContext(orig)
-	failpoint.Hit("inbox.after-handler")
+	failpoint.HitContext(ctx, "inbox.after-handler")
 	if err != nil {
 		return false, err
 	}
@@ -263,20 +271,26 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 			return false, fmt.Errorf("inbox: clear attempts of %s: %w", key, err)
 		}
 	}
-	failpoint.Hit("inbox.before-commit")
+	failpoint.HitContext(ctx, "inbox.before-commit")
 	if err := tx.Commit(ctx); err != nil {
 		return false, fmt.Errorf("inbox: commit %s: %w", key, err)
 	}
-	failpoint.Hit("inbox.after-commit")
+	failpoint.HitContext(ctx, "inbox.after-commit")
 	return true, nil
 }
 
 // kill moves msg to the dead-letter table and marks it dead in the inbox, in one transaction, so a
 // redelivery is skipped. A nil return acknowledges the message.
 func (ib *Inbox) kill(ctx context.Context, msg *message.Message, key, reason string, cause error, attempts int) error {
+	uuid := msg.UUID
 	if key == "" {
-		// No id of its own: the broker's UUID still names it, so a redelivery is recognised.
-		key = "uuid:" + msg.UUID
+		// No id of its own: the broker's UUID still names it, so a redelivery is recognised. An id
+		// the database cannot store as text is stored in hex.
+		key = "uuid:" + uuid
+		if !pgtext.Valid(uuid) {
+			key = "uuid-hex:" + hex.EncodeToString([]byte(uuid))
+			uuid = pgtext.Sanitize(uuid)
+		}
 	}
 	tx, err := ib.cfg.DB.Begin(ctx)
 	if err != nil {
@@ -284,7 +298,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, key, reason str
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // A no-op after Commit.
 
-	tag, err := tx.Exec(ctx, ib.sql.insertDead, ib.cfg.Consumer, key, msg.UUID, message.SubscribeTopicFromCtx(ctx))
+	tag, err := tx.Exec(ctx, ib.sql.insertDead, ib.cfg.Consumer, key, uuid, message.SubscribeTopicFromCtx(ctx))
 	if err != nil {
 		return fmt.Errorf("inbox: mark %s dead: %w", key, err)
 	}
@@ -298,7 +312,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, key, reason str
 		Consumer:     ib.cfg.Consumer,
 		DedupKey:     key,
 		PartitionKey: msg.Metadata.Get(outbox.PartitionKeyMetadata),
-		UUID:         msg.UUID,
+		UUID:         uuid,
 		Payload:      msg.Payload,
 		Metadata:     msg.Metadata,
 		Reason:       reason,
@@ -316,7 +330,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, key, reason str
 	}
 	ib.metrics.DeadLetters.WithLabelValues(string(dlq.SourceInbox), reason).Inc()
 	ib.logger.Info("Message moved to the dead-letter table", watermill.LogFields{
-		"message_uuid": msg.UUID, "dedup_key": key, "reason": reason, "error": cause.Error(),
+		"message_uuid": uuid, "dedup_key": key, "reason": reason, "error": cause.Error(),
 	})
 	return nil
 }

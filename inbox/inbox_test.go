@@ -222,6 +222,17 @@ func TestBadInputGoesToDLQAtOnce(t *testing.T) {
 		require.NoError(t, deliver(h, msg), reason+": redelivery")
 		require.Equal(t, 1, b.count(t, "txbox_dlq", "reason = $1", reason), reason)
 	}
+	// Kafka headers are bytes: an id PostgreSQL cannot store as text, or metadata jsonb refuses,
+	// must still end in the DLQ rather than fail on every delivery.
+	badID := message.NewMessage("bad-\xff-\x00", []byte("{}"))
+	badMeta := message.NewMessage(watermill.NewUUID(), make([]byte, 65))
+	badMeta.Metadata.Set("note\x00", "\xfe")
+	for _, msg := range []*message.Message{badID, badMeta} {
+		require.NoError(t, deliver(h, msg))
+		require.NoError(t, deliver(h, msg), "redelivery")
+	}
+	require.Equal(t, 2, b.count(t, "txbox_dlq", "reason = $1", inbox.ReasonNoID))
+	require.Equal(t, 2, b.count(t, "txbox_dlq", "reason = $1", inbox.ReasonTooLarge))
 	require.Equal(t, int64(1), b.calls.Load(), "only the unprocessable message reached the handler")
 	require.Equal(t, 0, b.count(t, "effects", ""))
 }

@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
 
+	"github.com/txbox/txbox/internal/pgtext"
 	"github.com/txbox/txbox/internal/sqlname"
 )
 
@@ -133,12 +134,25 @@ func (w *Writer) validate(msg *message.Message) error {
 		return fmt.Errorf("%w: nil message", ErrInvalidMessage)
 	case msg.UUID == "":
 		return fmt.Errorf("%w: empty UUID", ErrInvalidMessage)
+	case !pgtext.Valid(msg.UUID):
+		return fmt.Errorf("%w: UUID %q is not valid UTF-8 or contains NUL", ErrInvalidMessage, msg.UUID)
 	case msg.Metadata.Get(reservedMetadata) != "":
 		return fmt.Errorf("%w: %s: metadata key %s is reserved", ErrInvalidMessage, msg.UUID, reservedMetadata)
+	case !validMetadata(msg.Metadata):
+		return fmt.Errorf("%w: %s: a metadata key or value is not valid UTF-8 or contains NUL", ErrInvalidMessage, msg.UUID)
 	case len(msg.Payload) > w.maxPayloadBytes:
 		return fmt.Errorf("%w: %s: payload of %d bytes is over the %d-byte limit", ErrInvalidMessage, msg.UUID, len(msg.Payload), w.maxPayloadBytes)
 	}
 	return nil
+}
+
+func validMetadata(md message.Metadata) bool {
+	for k, v := range md {
+		if !pgtext.Valid(k) || !pgtext.Valid(v) {
+			return false
+		}
+	}
+	return true
 }
 
 // SlotOf returns the slot of a partition key; messages without a key are spread by their UUID.

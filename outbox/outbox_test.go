@@ -114,6 +114,8 @@ func TestInvalidMessagesAreRefusedWholesale(t *testing.T) {
 	ok := message.NewMessage(watermill.NewUUID(), nil)
 	reserved := message.NewMessage(watermill.NewUUID(), nil)
 	reserved.Metadata.Set("_watermill_message_uuid", "x")
+	badMeta := message.NewMessage(watermill.NewUUID(), nil)
+	badMeta.Metadata.Set("k", "\xff")
 	for name, tc := range map[string]struct {
 		topic string
 		msg   *message.Message
@@ -124,6 +126,8 @@ func TestInvalidMessagesAreRefusedWholesale(t *testing.T) {
 		"reserved key": {"t", reserved, "reserved"},
 		"too large":    {"t", message.NewMessage(watermill.NewUUID(), make([]byte, 11)), "over the 10-byte limit"},
 		"nil":          {"t", nil, "nil message"},
+		"binary uuid":  {"t", message.NewMessage("a\x00b", nil), "not valid UTF-8 or contains NUL"},
+		"binary meta":  {"t", badMeta, "metadata key or value is not valid UTF-8"},
 	} {
 		err := w.Publish(context.Background(), env.Pool, tc.topic, ok, tc.msg)
 		require.ErrorIs(t, err, outbox.ErrInvalidMessage, name)
