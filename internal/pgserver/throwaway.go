@@ -421,3 +421,34 @@ func versionLess(a, b string) bool {
 	}
 	return a < b
 }
+
+// Restart shuts a throwaway server down and starts it again on the same port, for tests of what
+// clients do while their database goes away and comes back. mode is pg_ctl's shutdown mode: "fast"
+// (sessions are ended, a checkpoint is written) or "immediate" (like a crash of the database
+// processes: crash recovery runs on start). The throwaway runs with synchronous_commit = off, so an
+// immediate restart loses the last transactions it reported committed, as a real crash would; a
+// test that needs them kept sets synchronous_commit = on first. It returns once the server answers
+// over TCP again.
+func (s *Server) Restart(ctx context.Context, mode string) error {
+	if !s.Throwaway {
+		return errors.New("pgserver: Restart is only for a throwaway server this process started")
+	}
+	if mode != "fast" && mode != "immediate" {
+		return fmt.Errorf("pgserver: Restart mode %q: want fast or immediate", mode)
+	}
+	s.stopMu.Lock()
+	defer s.stopMu.Unlock()
+	if s.stopped {
+		return errors.New("pgserver: Restart after Stop")
+	}
+	// pg_ctl restart starts the server with the options it last ran with, the port included.
+	out, err := s.run(ctx, "pg_ctl", "restart", "-D", s.dataDir(), "-l", s.logPath(), "-m", mode,
+		"-w", "-t", strconv.Itoa(int(readyTimeout/time.Second)), "-s")
+	if err != nil {
+		return fmt.Errorf("pgserver: pg_ctl restart -m %s: %w\n%s\nserver log tail:\n%s", mode, err, tail(out, 1000), s.logTail())
+	}
+	if err := waitReady(ctx, s.URL, readyTimeout); err != nil {
+		return fmt.Errorf("pgserver: %s not ready after restart: %w\nserver log tail:\n%s", s.URL, err, s.logTail())
+	}
+	return nil
+}
