@@ -202,7 +202,9 @@ func (l *lease) runCalls() bool {
 				r.log.Info("executing calls recovered", "shard", l.shard, "failed_attempts", c.failures)
 				c.failures = 0
 			}
-			if n < cfg.BatchSize {
+			// A batch holds one call per key, so a key with a backlog of calls has its next one
+			// due at once: only an empty look waits.
+			if n == 0 {
 				l.wait(cfg.PollInterval)
 			}
 		}
