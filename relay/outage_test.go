@@ -1,0 +1,108 @@
+package relay_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/relay"
+)
+
+// While Kafka refuses every connection the relay backs off, logs the outage once rather than on
+// every retry, and publishes everything once Kafka is back. The outage needs a broker of the
+// test's own that it can break, so this test always uses an in-process cluster.
+func TestRelayRidesOutAKafkaOutage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cluster, err := kafkatest.Start()
+	require.NoError(t, err)
+	t.Cleanup(cluster.Close)
+	brokers := cluster.ListenAddrs()
+
+	var down atomic.Bool
+	var refused atomic.Int64
+	down.Store(true)
+	cluster.Control(func(kmsg.Request) (kmsg.Response, error, bool) {
+		cluster.KeepControl()
+		if down.Load() {
+			refused.Add(1)
+			return nil, errors.New("broker down for the test"), true // closes the connection
+		}
+		return nil, nil, false
+	})
+
+	uuids := b.write(t, true, "k", 20)
+	var logs syncBuffer
+	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers, TransactionalIDPrefix: b.env.Schema})
+	require.NoError(t, err)
+	r, err := relay.New(relay.Config{
+		DB: b.env.Pool, Sink: sink, Schema: b.env.Schema, Shards: 1,
+		LeaseTTL: 2 * time.Second, PollInterval: 10 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+
+	// Several retries are refused while Kafka is down; nothing is lost meanwhile.
+	require.Eventually(t, func() bool { return refused.Load() >= 20 }, 60*time.Second, 10*time.Millisecond)
+	require.Equal(t, 20, b.pending(t))
+	down.Store(false)
+
+	sub, err := kafka.NewSubscriber(kafkatest.SubscriberConfig(brokers, "outage-"+watermill.NewShortUUID()), watermill.NopLogger{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	subCtx, stop := context.WithCancel(context.Background())
+	t.Cleanup(stop)
+	ch, err := sub.Subscribe(subCtx, b.topic)
+	require.NoError(t, err)
+	seen := map[string]bool{}
+	timeout := time.After(60 * time.Second)
+	for len(seen) < len(uuids) {
+		select {
+		case m := <-ch:
+			seen[m.UUID] = true
+			m.Ack()
+		case <-timeout:
+			t.Fatalf("only %d of %d messages arrived after the outage", len(seen), len(uuids))
+		}
+	}
+	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "publishing recovered") }, 10*time.Second, 10*time.Millisecond)
+	require.Equal(t, 1, strings.Count(logs.String(), "publishing failed"),
+		"the outage is logged once, not on every retry:\n%s", logs.String())
+}
+
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
