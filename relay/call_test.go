@@ -548,28 +548,34 @@ func paymentRequest() *message.Message {
 	return message.NewMessage("msg-pay-crash", []byte(`{"payment_id":"pay-crash","amount":4200}`))
 }
 
-// TestCallHelperConsumer is not a test: TestCallSurvivesCrashes runs the test binary with it as a
-// consumer process that dies by SIGKILL after enqueueing the call, before committing.
-func TestCallHelperConsumer(t *testing.T) {
-	spec := os.Getenv(helperEnv)
-	if spec == "" {
-		t.Skip("helper process for TestCallSurvivesCrashes")
-	}
+// runHelperConsumer is the consumer process of TestCallSurvivesCrashes: TestMain runs it instead
+// of the tests when helperEnv is set, and it dies by SIGKILL at its failpoint after enqueueing the
+// call, before committing. It returns only if the failpoint did not fire.
+func runHelperConsumer(spec string) error {
 	dsn, schema, _ := strings.Cut(spec, " ")
 	cfg, err := pgxpool.ParseConfig(dsn)
-	require.NoError(t, err)
+	if err != nil {
+		return err
+	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = ""
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
+	if err != nil {
+		return err
+	}
 	defer pool.Close()
 	env := &txtest.Env{URL: dsn, Schema: schema, Pool: pool}
 	w, err := outbox.New(outbox.Config{Schema: schema})
-	require.NoError(t, err)
+	if err != nil {
+		return err
+	}
 	ib, err := inbox.New(inbox.Config{DB: pool, Consumer: "payments", Schema: schema}, nil)
-	require.NoError(t, err)
-	_, err = ib.Middleware(asHandler(paymentHandler(env, w, "unused")))(paymentRequest())
-	require.NoError(t, err)
-	t.Fatal("the failpoint should have killed this process")
+	if err != nil {
+		return err
+	}
+	if _, err := ib.Middleware(asHandler(paymentHandler(env, w, "unused")))(paymentRequest()); err != nil {
+		return err
+	}
+	return errors.New("the failpoint should have killed this process")
 }
 
 // The consumer dies after enqueueing the charge but before committing; the redelivery enqueues it
@@ -587,7 +593,7 @@ func TestCallSurvivesCrashes(t *testing.T) {
 	require.NoError(t, err)
 
 	// 1. The consumer process crashes before its commit.
-	helper := exec.Command(os.Args[0], "-test.run=^TestCallHelperConsumer$", "-test.count=1")
+	helper := exec.Command(os.Args[0])
 	helper.Env = append(os.Environ(), helperEnv+"="+b.env.URL+" "+b.env.Schema, failpoint.EnvVar+"=test.consumer-after-enqueue")
 	out, err := helper.CombinedOutput()
 	var exit *exec.ExitError

@@ -1,12 +1,10 @@
 package relay_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -17,6 +15,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/internal/proctest"
 	"github.com/txbox/txbox/relay"
 )
 
@@ -44,7 +43,7 @@ func TestRelayRidesOutAKafkaOutage(t *testing.T) {
 	})
 
 	uuids := b.write(t, true, "k", 20)
-	var logs syncBuffer
+	var logs proctest.Buffer
 	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers, TransactionalIDPrefix: b.env.Schema})
 	require.NoError(t, err)
 	r, err := relay.New(relay.Config{
@@ -88,21 +87,4 @@ func TestRelayRidesOutAKafkaOutage(t *testing.T) {
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "publishing recovered") }, 10*time.Second, 10*time.Millisecond)
 	require.Equal(t, 1, strings.Count(logs.String(), "publishing failed"),
 		"the outage is logged once, not on every retry:\n%s", logs.String())
-}
-
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }

@@ -49,7 +49,7 @@ func Binary(t testing.TB) string {
 type Proc struct {
 	t    testing.TB
 	cmd  *exec.Cmd
-	out  *syncBuffer
+	out  *Buffer
 	done chan struct{}
 	err  error
 }
@@ -60,7 +60,7 @@ func Start(t testing.TB, env []string, args ...string) *Proc {
 	t.Helper()
 	cmd := exec.Command(Binary(t), args...)
 	cmd.Env = append(os.Environ(), env...)
-	out := &syncBuffer{}
+	out := &Buffer{}
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("proctest: start %v: %v", args, err)
@@ -114,18 +114,20 @@ func (p *Proc) Exited() bool {
 // Output returns what the process wrote so far.
 func (p *Proc) Output() string { return p.out.String() }
 
-type syncBuffer struct {
+// Buffer is a bytes.Buffer safe for concurrent writers, for capturing a process's or a logger's
+// output.
+type Buffer struct {
 	mu  sync.Mutex
 	buf bytes.Buffer
 }
 
-func (b *syncBuffer) Write(p []byte) (int, error) {
+func (b *Buffer) Write(p []byte) (int, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.Write(p)
 }
 
-func (b *syncBuffer) String() string {
+func (b *Buffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
