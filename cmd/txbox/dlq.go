@@ -83,8 +83,7 @@ type dlqCommand struct {
 
 func newDLQCommand(name, usageLine string) *dlqCommand {
 	c := &dlqCommand{flags: newFlags("dlq "+name, usageLine), name: name}
-	c.stringEnv(&c.dsn, "database-url", "TXBOX_DATABASE_URL", "", "PostgreSQL connection string")
-	c.stringEnv(&c.schema, "schema", "TXBOX_SCHEMA", sqlname.DefaultSchema, "schema holding txbox's tables")
+	c.database(&c.dsn, &c.schema)
 	return c
 }
 

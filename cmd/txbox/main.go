@@ -16,6 +16,8 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+
+	"github.com/txbox/txbox/internal/sqlname"
 )
 
 // command is one subcommand: its flags are registered on fs, and run does the work.
@@ -100,6 +102,12 @@ func (f *flags) stringEnv(p *string, name, envVar, def, usage string) {
 	}
 	f.env[name] = envVar
 	f.StringVar(p, name, def, usage+" (env "+envVar+")")
+}
+
+// database defines --database-url and --schema, which every command that talks to PostgreSQL has.
+func (f *flags) database(dsn, schema *string) {
+	f.stringEnv(dsn, "database-url", "TXBOX_DATABASE_URL", "", "PostgreSQL connection string (the password may come from PGPASSWORD)")
+	f.stringEnv(schema, "schema", "TXBOX_SCHEMA", sqlname.DefaultSchema, "schema holding txbox's tables (migrate up creates it if missing)")
 }
 
 // varEnv defines a flag of any type whose default comes from envVar when that is set.

@@ -12,8 +12,7 @@ import (
 func runMigrate(ctx context.Context, args []string, stdout io.Writer) error {
 	f := newFlags("migrate", "migrate up|down|status [flags]\n\n  up      apply every pending migration\n  down    roll back every migration (drops txbox's tables and their rows)\n  status  list migrations and whether each is applied")
 	var dsn, schema string
-	f.stringEnv(&dsn, "database-url", "TXBOX_DATABASE_URL", "", "PostgreSQL connection string")
-	f.stringEnv(&schema, "schema", "TXBOX_SCHEMA", sqlname.DefaultSchema, "schema to install txbox's tables in (created if missing)")
+	f.database(&dsn, &schema)
 	if err := f.parse(args); err != nil {
 		return err
 	}

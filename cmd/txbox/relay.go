@@ -19,7 +19,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/relay"
 )
 
@@ -40,8 +39,7 @@ func runRelay(ctx context.Context, args []string, _ io.Writer) error {
 		leaseTTL: durationValue(relay.DefaultLeaseTTL), pollInterval: durationValue(relay.DefaultPollInterval),
 		transactional: true, replayWindow: durationValue(relay.DefaultReplayWindow),
 	}
-	f.stringEnv(&s.dsn, "database-url", "TXBOX_DATABASE_URL", "", "PostgreSQL connection string (the password may come from PGPASSWORD)")
-	f.stringEnv(&s.schema, "schema", "TXBOX_SCHEMA", sqlname.DefaultSchema, "schema holding txbox's tables")
+	f.database(&s.dsn, &s.schema)
 	f.stringEnv(&s.brokers, "kafka-brokers", "TXBOX_KAFKA_BROKERS", "", "comma-separated Kafka brokers")
 	f.stringEnv(&s.owner, "owner", "TXBOX_RELAY_OWNER", "", "unique name of this relay in the lease table (default host-pid-random)")
 	f.stringEnv(&s.txPrefix, "transactional-id-prefix", "TXBOX_TRANSACTIONAL_ID_PREFIX", "txbox", "prefix of each shard's Kafka transactional.id; unique per outbox on a cluster")

@@ -9,7 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/retention"
 )
 
@@ -27,8 +26,7 @@ func runRetention(ctx context.Context, args []string, stdout io.Writer) error {
 	)
 	inbox = ageValue(retention.DefaultInboxRetention)
 	callResults = ageValue(retention.DefaultCallResultRetention)
-	f.stringEnv(&dsn, "database-url", "TXBOX_DATABASE_URL", "", "PostgreSQL connection string")
-	f.stringEnv(&schema, "schema", "TXBOX_SCHEMA", sqlname.DefaultSchema, "schema holding txbox's tables")
+	f.database(&dsn, &schema)
 	f.varEnv(&broker, "broker-retention", "TXBOX_BROKER_RETENTION",
 		"how long the broker may redeliver a message: for Kafka, the topics' retention.ms plus segment.ms, e.g. 14d (required)")
 	f.varEnv(&inbox, "inbox-retention", "TXBOX_INBOX_RETENTION", "how long processed messages are remembered; must be longer than --broker-retention")

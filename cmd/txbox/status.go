@@ -16,8 +16,7 @@ import (
 func runStatus(ctx context.Context, args []string, stdout io.Writer) error {
 	f := newFlags("status", "status [flags]\n\nShows the dead-letter depth per source and the size of txbox's tables.")
 	var dsn, schema string
-	f.stringEnv(&dsn, "database-url", "TXBOX_DATABASE_URL", "", "PostgreSQL connection string")
-	f.stringEnv(&schema, "schema", "TXBOX_SCHEMA", sqlname.DefaultSchema, "schema holding txbox's tables")
+	f.database(&dsn, &schema)
 	if err := f.parse(args); err != nil {
 		return err
 	}
