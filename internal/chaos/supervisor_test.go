@@ -7,8 +7,6 @@ import (
 	"maps"
 	"os"
 	"os/exec"
-	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -16,35 +14,12 @@ import (
 	"time"
 
 	"github.com/txbox/txbox/internal/failpoint"
-)
-
-var (
-	consumerOnce sync.Once
-	consumerPath string
-	consumerErr  error
+	"github.com/txbox/txbox/internal/proctest"
 )
 
 // consumerBinary builds cmd/txbox-consumer once per test binary and returns its path.
 func consumerBinary(t testing.TB) string {
-	t.Helper()
-	consumerOnce.Do(func() {
-		_, file, _, _ := runtime.Caller(0)
-		dir, err := os.MkdirTemp("", "txbox-consumer-bin-")
-		if err != nil {
-			consumerErr = err
-			return
-		}
-		consumerPath = filepath.Join(dir, "txbox-consumer")
-		cmd := exec.Command("go", "build", "-o", consumerPath, "./cmd/txbox-consumer")
-		cmd.Dir = filepath.Dir(file)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			consumerErr = fmt.Errorf("go build ./internal/chaos/cmd/txbox-consumer: %w\n%s", err, out)
-		}
-	})
-	if consumerErr != nil {
-		t.Fatal(consumerErr)
-	}
-	return consumerPath
+	return proctest.Build(t, "./internal/chaos/cmd/txbox-consumer")
 }
 
 // restartDelay is how long the supervisor waits before restarting a dead process, like systemd's

@@ -4,7 +4,6 @@ package proctest
 
 import (
 	"bytes"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,33 +15,39 @@ import (
 )
 
 var (
-	buildOnce sync.Once
-	binary    string
-	buildErr  error
+	buildMu sync.Mutex
+	built   = map[string]string{} // package → binary
 )
 
 // Binary builds cmd/txbox once per test binary and returns its path.
 func Binary(t testing.TB) string {
 	t.Helper()
-	buildOnce.Do(func() {
-		_, file, _, _ := runtime.Caller(0)
-		root := filepath.Join(filepath.Dir(file), "..", "..")
-		dir, err := os.MkdirTemp("", "txbox-bin-")
-		if err != nil {
-			buildErr = err
-			return
-		}
-		binary = filepath.Join(dir, "txbox")
-		cmd := exec.Command("go", "build", "-o", binary, "./cmd/txbox")
-		cmd.Dir = root
-		if out, err := cmd.CombinedOutput(); err != nil {
-			buildErr = fmt.Errorf("go build ./cmd/txbox: %w\n%s", err, out)
-		}
-	})
-	if buildErr != nil {
-		t.Fatalf("proctest: %v", buildErr)
+	return Build(t, "./cmd/txbox")
+}
+
+// Build builds the main package pkg (a path from the module root, such as "./cmd/txbox") once per
+// test binary and returns the path of the executable.
+func Build(t testing.TB, pkg string) string {
+	t.Helper()
+	buildMu.Lock()
+	defer buildMu.Unlock()
+	if bin, ok := built[pkg]; ok {
+		return bin
 	}
-	return binary
+	_, file, _, _ := runtime.Caller(0)
+	root := filepath.Join(filepath.Dir(file), "..", "..")
+	dir, err := os.MkdirTemp("", "txbox-bin-")
+	if err != nil {
+		t.Fatalf("proctest: %v", err)
+	}
+	bin := filepath.Join(dir, filepath.Base(pkg))
+	cmd := exec.Command("go", "build", "-o", bin, pkg)
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("proctest: go build %s: %v\n%s", pkg, err, out)
+	}
+	built[pkg] = bin
+	return bin
 }
 
 // Proc is a running txbox process.
