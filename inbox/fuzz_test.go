@@ -8,6 +8,7 @@ import (
 
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/txtest"
+	"github.com/txbox/txbox/outbox"
 )
 
 // FuzzInboxContainsAnyMessage: whatever a message carries — any UUID, payload, lease metadata or
@@ -58,10 +59,10 @@ func FuzzInboxContainsAnyMessage(f *testing.F) {
 	f.Fuzz(func(t *testing.T, uuid string, payload []byte, shard, token, key, value string) {
 		msg := message.NewMessage(uuid, payload)
 		if shard != "" {
-			msg.Metadata.Set(inbox.ShardMetadata, shard)
+			msg.Metadata.Set(outbox.ShardMetadata, shard)
 		}
 		if token != "" {
-			msg.Metadata.Set(inbox.TokenMetadata, token)
+			msg.Metadata.Set(outbox.TokenMetadata, token)
 		}
 		msg.Metadata.Set(key, value)
 

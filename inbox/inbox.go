@@ -9,7 +9,6 @@ import (
 	"sync"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -21,13 +20,6 @@ import (
 	"github.com/txbox/txbox/internal/pgtext"
 	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/outbox"
-)
-
-// Metadata keys the relay sets on every message it publishes: the shard and the fencing token of
-// the lease it held. The inbox records them so an audit can tell which lease published what.
-const (
-	ShardMetadata = "txbox_shard"
-	TokenMetadata = "txbox_token"
 )
 
 // ErrUnprocessable marks a handler error as permanent: the message goes to the dead-letter table at
@@ -71,6 +63,12 @@ type Config struct {
 	MaxPayloadBytes int
 	// Outbox writes the messages a handler returns. If not specified, one is made for Schema.
 	Outbox *outbox.Writer
+	// Delivery says where the broker delivered a message from (for Kafka: its partition and
+	// offset). The inbox tracks fencing tokens per partition with it (see
+	// txbox_superseded_token_messages_total). Kafka consumers set it to kafkasub.Delivery; it is a
+	// function rather than a dependency so that importing the inbox pulls in no Kafka client. If
+	// not specified, fencing tokens are not tracked.
+	Delivery func(ctx context.Context) (partition int32, offset int64, ok bool)
 	// Registerer receives the inbox's Prometheus metrics. If not specified, they are not registered.
 	Registerer prometheus.Registerer
 }
@@ -349,17 +347,17 @@ func (ib *Inbox) forgetAttempts(ctx context.Context, key string) {
 // leaseOf reads the relay lease a message was published under; messages that did not come through
 // the relay have none.
 func leaseOf(msg *message.Message) (*int32, *int64, error) {
-	s, t := msg.Metadata.Get(ShardMetadata), msg.Metadata.Get(TokenMetadata)
+	s, t := msg.Metadata.Get(outbox.ShardMetadata), msg.Metadata.Get(outbox.TokenMetadata)
 	if s == "" && t == "" {
 		return nil, nil, nil
 	}
 	shard, err := strconv.ParseInt(s, 10, 32)
 	if err != nil {
-		return nil, nil, fmt.Errorf("metadata %s=%q: %w", ShardMetadata, s, err)
+		return nil, nil, fmt.Errorf("metadata %s=%q: %w", outbox.ShardMetadata, s, err)
 	}
 	token, err := strconv.ParseInt(t, 10, 64)
 	if err != nil {
-		return nil, nil, fmt.Errorf("metadata %s=%q: %w", TokenMetadata, t, err)
+		return nil, nil, fmt.Errorf("metadata %s=%q: %w", outbox.TokenMetadata, t, err)
 	}
 	s32 := int32(shard)
 	return &s32, &token, nil
@@ -369,10 +367,13 @@ func leaseOf(msg *message.Message) (*int32, *int64, error) {
 // ordered stream (shard, topic, partition). Across partitions an older token can arrive later
 // legitimately, so the stream, not the shard, is the unit.
 func (ib *Inbox) observeToken(ctx context.Context, msg *message.Message, shard *int32, token *int64) {
-	if shard == nil {
+	if shard == nil || ib.cfg.Delivery == nil {
 		return
 	}
-	partition, _ := kafka.MessagePartitionFromCtx(ctx)
+	partition, _, ok := ib.cfg.Delivery(ctx)
+	if !ok {
+		return
+	}
 	key := stream{shard: strconv.Itoa(int(*shard)), topic: message.SubscribeTopicFromCtx(ctx), partition: partition}
 	ib.tokensMu.Lock()
 	defer ib.tokensMu.Unlock()

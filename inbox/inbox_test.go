@@ -215,8 +215,8 @@ func TestBadInputGoesToDLQAtOnce(t *testing.T) {
 		inbox.ReasonUnprocessable: message.NewMessage(watermill.NewUUID(), []byte("poison")),
 		inbox.ReasonBadMetadata:   message.NewMessage(watermill.NewUUID(), []byte("{}")),
 	}
-	cases[inbox.ReasonBadMetadata].Metadata.Set(inbox.ShardMetadata, "not-a-number")
-	cases[inbox.ReasonBadMetadata].Metadata.Set(inbox.TokenMetadata, "7")
+	cases[inbox.ReasonBadMetadata].Metadata.Set(outbox.ShardMetadata, "not-a-number")
+	cases[inbox.ReasonBadMetadata].Metadata.Set(outbox.TokenMetadata, "7")
 	for reason, msg := range cases {
 		require.NoError(t, deliver(h, msg), reason)
 		require.NoError(t, deliver(h, msg), reason+": redelivery")

@@ -30,6 +30,13 @@ const Slots = 256
 // as the Kafka record key, and the outbox uses it to keep messages with one key in order.
 const PartitionKeyMetadata = "txbox_partition_key"
 
+// Metadata keys the relay sets on every message it publishes: the shard and the fencing token of
+// the lease it held. The inbox records them so an audit can tell which lease published what.
+const (
+	ShardMetadata = "txbox_shard"
+	TokenMetadata = "txbox_token"
+)
+
 // DefaultMaxPayloadBytes is the payload limit when Config.MaxPayloadBytes is zero: Kafka's default
 // maximum record size, less room for headers.
 const DefaultMaxPayloadBytes = 1000 * 1000

@@ -11,6 +11,7 @@ import (
 
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/kafkasub"
 	"github.com/txbox/txbox/outbox"
 )
 
@@ -29,7 +30,7 @@ func (b *bundle) startConsumer(t *testing.T) *consumer {
 		" (seq bigint GENERATED ALWAYS AS IDENTITY, uuid text NOT NULL, key text NOT NULL)")
 	require.NoError(t, err)
 	c := &consumer{reg: prometheus.NewRegistry()}
-	c.inbox, err = inbox.New(inbox.Config{DB: b.env.Pool, Consumer: "effects", Schema: b.env.Schema, Registerer: c.reg}, nil)
+	c.inbox, err = inbox.New(inbox.Config{DB: b.env.Pool, Consumer: "effects", Schema: b.env.Schema, Delivery: kafkasub.Delivery, Registerer: c.reg}, nil)
 	require.NoError(t, err)
 
 	logger := watermill.NopLogger{}

@@ -22,7 +22,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
-	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/failpoint"
 	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/proctest"
@@ -451,7 +450,7 @@ func (b *bundle) record(t *testing.T, isolation sarama.IsolationLevel) *delivery
 	go func() {
 		for m := range ch {
 			var token int64
-			_, _ = fmt.Sscan(m.Metadata.Get(inbox.TokenMetadata), &token)
+			_, _ = fmt.Sscan(m.Metadata.Get(outbox.TokenMetadata), &token)
 			l.mu.Lock()
 			l.all = append(l.all, delivery{uuid: m.UUID, key: m.Metadata.Get(outbox.PartitionKeyMetadata), token: token})
 			l.mu.Unlock()

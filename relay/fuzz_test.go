@@ -12,7 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/outbox"
@@ -36,7 +35,7 @@ func FuzzToMessage(f *testing.F) {
 		if got.Topic != topic || got.Key != key || got.Msg.UUID != uuid || !bytes.Equal(got.Msg.Payload, payload) {
 			t.Fatalf("row (%q, %q, %q, %q) became (%q, %q, %q, %q)", topic, key, uuid, payload, got.Topic, got.Key, got.Msg.UUID, got.Msg.Payload)
 		}
-		if s, tok := got.Msg.Metadata.Get(inbox.ShardMetadata), got.Msg.Metadata.Get(inbox.TokenMetadata); s != strconv.Itoa(shard) || tok != strconv.FormatInt(token, 10) {
+		if s, tok := got.Msg.Metadata.Get(outbox.ShardMetadata), got.Msg.Metadata.Get(outbox.TokenMetadata); s != strconv.Itoa(shard) || tok != strconv.FormatInt(token, 10) {
 			t.Fatalf("lease (%d, %d) stamped as (%q, %q)", shard, token, s, tok)
 		}
 		var want map[string]string
@@ -46,7 +45,7 @@ func FuzzToMessage(f *testing.F) {
 		if want == nil {
 			want = map[string]string{}
 		}
-		want[inbox.ShardMetadata], want[inbox.TokenMetadata] = strconv.Itoa(shard), strconv.FormatInt(token, 10)
+		want[outbox.ShardMetadata], want[outbox.TokenMetadata] = strconv.Itoa(shard), strconv.FormatInt(token, 10)
 		if !maps.Equal(map[string]string(got.Msg.Metadata), want) {
 			t.Fatalf("metadata %s became %v, want %v", metadata, got.Msg.Metadata, want)
 		}
@@ -108,7 +107,7 @@ func FuzzMetadataRoundTrip(f *testing.F) {
 		if err := json.Unmarshal(encoded, &want); err != nil {
 			t.Fatal(err)
 		}
-		want[inbox.ShardMetadata], want[inbox.TokenMetadata] = "3", "9"
+		want[outbox.ShardMetadata], want[outbox.TokenMetadata] = "3", "9"
 		if got.Msg.UUID != uuid || !maps.Equal(map[string]string(got.Msg.Metadata), want) {
 			t.Fatalf("wrote %q %v, the relay read %q %v (stored as %s)", uuid, msg.Metadata, got.Msg.UUID, got.Msg.Metadata, batch[0].metadata)
 		}

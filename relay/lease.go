@@ -13,8 +13,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/txbox/txbox/dlq"
-	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/failpoint"
+	"github.com/txbox/txbox/outbox"
 )
 
 // lease is one shard held under one fencing token, and the worker that publishes its rows.
@@ -192,8 +192,8 @@ func (l *lease) toMessage(p pendingRow) Message {
 	if msg.Metadata == nil {
 		msg.Metadata = message.Metadata{}
 	}
-	msg.Metadata.Set(inbox.ShardMetadata, strconv.Itoa(l.shard))
-	msg.Metadata.Set(inbox.TokenMetadata, strconv.FormatInt(l.token, 10))
+	msg.Metadata.Set(outbox.ShardMetadata, strconv.Itoa(l.shard))
+	msg.Metadata.Set(outbox.TokenMetadata, strconv.FormatInt(l.token, 10))
 	return Message{Topic: p.topic, Key: p.partitionKey, Msg: msg}
 }
 

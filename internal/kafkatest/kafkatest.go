@@ -12,10 +12,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/txbox/txbox/kafkasub"
 )
 
 // EnvVar switches the tests to a real cluster: a comma-separated broker list.
@@ -71,24 +72,16 @@ func Topic(t testing.TB) string {
 	return "test_" + name + "_" + hex.EncodeToString(b)
 }
 
-// SubscriberConfig returns a watermill-kafka subscriber configuration that reads only committed
-// transactions from the oldest offset, with short timeouts for tests.
+// SubscriberConfig returns kafkasub's subscriber configuration with short timeouts for tests.
 func SubscriberConfig(brokers []string, group string) kafka.SubscriberConfig {
-	c := kafka.DefaultSaramaSubscriberConfig()
-	c.Version = sarama.V2_8_0_0
-	c.Consumer.IsolationLevel = sarama.ReadCommitted
-	c.Consumer.Offsets.Initial = sarama.OffsetOldest
-	c.Consumer.Offsets.AutoCommit.Interval = 100 * time.Millisecond
-	c.Consumer.Group.Session.Timeout = 2 * time.Second
-	c.Consumer.Group.Heartbeat.Interval = 200 * time.Millisecond
-	c.Consumer.Group.Rebalance.Timeout = 3 * time.Second
-	c.Metadata.Retry.Backoff = 100 * time.Millisecond
-	return kafka.SubscriberConfig{
-		Brokers:               brokers,
-		Unmarshaler:           kafka.DefaultMarshaler{},
-		OverwriteSaramaConfig: c,
-		ConsumerGroup:         group,
-	}
+	c := kafkasub.SubscriberConfig(brokers, group)
+	s := c.OverwriteSaramaConfig
+	s.Consumer.Offsets.AutoCommit.Interval = 100 * time.Millisecond
+	s.Consumer.Group.Session.Timeout = 2 * time.Second
+	s.Consumer.Group.Heartbeat.Interval = 200 * time.Millisecond
+	s.Consumer.Group.Rebalance.Timeout = 3 * time.Second
+	s.Metadata.Retry.Backoff = 100 * time.Millisecond
+	return c
 }
 
 // NewSubscriber returns a read_committed watermill-kafka subscriber in consumer group group, closed
