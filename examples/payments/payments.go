@@ -30,7 +30,7 @@ import (
 	"github.com/txbox/txbox/internal/failpoint"
 	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/sqlname"
-	"github.com/txbox/txbox/internal/stripetest"
+	"github.com/txbox/txbox/stripetest"
 	"github.com/txbox/txbox/migrations"
 	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
