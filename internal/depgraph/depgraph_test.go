@@ -83,6 +83,18 @@ func TestRelayDoesNotImportTheInbox(t *testing.T) {
 	}
 }
 
+// The examples are programs users copy: everything they import must be importable from another
+// module. (Their tests may use the internal harnesses.)
+func TestExamplesImportNoInternalPackage(t *testing.T) {
+	t.Parallel()
+	for _, line := range goList(t, "-f", `{{$p := .ImportPath}}{{range .Imports}}{{$p}}:{{.}} {{end}}`, module+"/examples/...") {
+		pkg, imp, _ := strings.Cut(line, ":")
+		if strings.HasPrefix(imp, module+"/internal/") {
+			t.Errorf("%s imports %s, which users cannot import", pkg, imp)
+		}
+	}
+}
+
 // Failpoint hooks may stay in production builds (internal/failpoint explains why) only as long as
 // no code but tests attaches one: check every non-test Go file of the module, whatever its build
 // tags.
