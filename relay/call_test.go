@@ -31,10 +31,10 @@ import (
 	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/metrics"
 	"github.com/txbox/txbox/internal/proctest"
-	"github.com/txbox/txbox/stripetest"
 	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
+	"github.com/txbox/txbox/stripetest"
 )
 
 // callBundle is one test's outbox, Stripe test double and in-memory sink for replies.
