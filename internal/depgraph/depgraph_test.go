@@ -83,6 +83,18 @@ func TestRelayDoesNotImportTheInbox(t *testing.T) {
 	}
 }
 
+// scripts/test runs `go test ./...` without build tags: a test file that needs one would silently
+// not run. Only the failpoint actions (internal/failpoint/armed.go) are built with a tag, by the
+// test harness that builds processes to kill.
+func TestEveryTestFileIsBuiltByGoTest(t *testing.T) {
+	t.Parallel()
+	for _, line := range goList(t, "-f", `{{$d := .Dir}}{{range .IgnoredGoFiles}}{{$d}}/{{.}} {{end}}`, module+"/...") {
+		if strings.HasSuffix(line, "_test.go") {
+			t.Errorf("%s is left out of the default build: its tests never run", line)
+		}
+	}
+}
+
 // The examples are programs users copy: everything they import must be importable from another
 // module. (Their tests may use the internal harnesses.)
 func TestExamplesImportNoInternalPackage(t *testing.T) {
