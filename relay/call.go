@@ -48,7 +48,7 @@ type CallConfig struct {
 	// version control. One of the two is required.
 	APIKey string
 	// BaseURL is the Stripe API's address. If not specified, defaults to DefaultStripeURL; point it
-	// at a test double (internal/stripetest) or stripe-mock in tests.
+	// at a test double (package stripetest) or stripe-mock in tests.
 	BaseURL string
 	// HTTPClient sends the requests. If not specified, a client on http.DefaultTransport. Its
 	// Transport is wrapped, never modified.

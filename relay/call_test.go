@@ -31,10 +31,10 @@ import (
 	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/metrics"
 	"github.com/txbox/txbox/internal/proctest"
-	"github.com/txbox/txbox/internal/stripetest"
 	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
+	"github.com/txbox/txbox/stripetest"
 )
 
 // callBundle is one test's outbox, Stripe test double and in-memory sink for replies.
@@ -535,7 +535,7 @@ func paymentHandler(env *txtest.Env, w *outbox.Writer, replyTopic string) messag
 		if err != nil {
 			return err
 		}
-		failpoint.Hit("test.consumer-after-enqueue")
+		failpoint.HitContext(ctx, "test.consumer-after-enqueue")
 		return nil
 	}
 }
@@ -550,7 +550,8 @@ func paymentRequest() *message.Message {
 
 // runHelperConsumer is the consumer process of TestCallSurvivesCrashes: TestMain runs it instead
 // of the tests when helperEnv is set, and it dies by SIGKILL at its failpoint after enqueueing the
-// call, before committing. It returns only if the failpoint did not fire.
+// call, before committing (a hook, not TXBOX_FAILPOINTS: the test binary is built without the
+// failpoint build tag). It returns only if the failpoint did not fire.
 func runHelperConsumer(spec string) error {
 	dsn, schema, _ := strings.Cut(spec, " ")
 	cfg, err := pgxpool.ParseConfig(dsn)
@@ -572,7 +573,12 @@ func runHelperConsumer(spec string) error {
 	if err != nil {
 		return err
 	}
-	if _, err := ib.Middleware(asHandler(paymentHandler(env, w, "unused")))(paymentRequest()); err != nil {
+	msg := paymentRequest()
+	msg.SetContext(failpoint.WithHook(msg.Context(), "test.consumer-after-enqueue", func() {
+		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {} // SIGKILL is not delivered synchronously; never run past the point.
+	}))
+	if _, err := ib.Middleware(asHandler(paymentHandler(env, w, "unused")))(msg); err != nil {
 		return err
 	}
 	return errors.New("the failpoint should have killed this process")
@@ -594,7 +600,7 @@ func TestCallSurvivesCrashes(t *testing.T) {
 
 	// 1. The consumer process crashes before its commit.
 	helper := exec.Command(os.Args[0])
-	helper.Env = append(os.Environ(), helperEnv+"="+b.env.URL+" "+b.env.Schema, failpoint.EnvVar+"=test.consumer-after-enqueue")
+	helper.Env = append(os.Environ(), helperEnv+"="+b.env.URL+" "+b.env.Schema)
 	out, err := helper.CombinedOutput()
 	var exit *exec.ExitError
 	require.ErrorAs(t, err, &exit, "%s", out)

@@ -14,18 +14,21 @@
 //
 // Everything it needs is embedded unless told otherwise:
 //
-//   - PostgreSQL: TXBOX_DATABASE_URL, else the local cluster, else a throwaway server. The example
+//   - PostgreSQL: TXBOX_DATABASE_URL, else the local server on 127.0.0.1:5432. The example
 //     (re)creates the schema txbox_payments_example there.
-//   - Kafka: TXBOX_KAFKA_BROKERS, else an in-process Kafka-protocol broker (kfake).
+//   - Kafka: TXBOX_KAFKA_BROKERS, else an in-process Kafka-protocol cluster (kfake).
 //   - Stripe: with STRIPE_API_KEY set (a test-mode key, sk_test_…), Stripe's API at
-//     TXBOX_STRIPE_BASE_URL or api.stripe.com; else txbox's Stripe test double.
+//     TXBOX_STRIPE_BASE_URL or api.stripe.com; else txbox's Stripe test double (package
+//     stripetest), which keeps Stripe's idempotency rules and takes injected faults.
 //
 // With -external-relays the program runs no relay of its own: it prints the `txbox relay` command
 // lines to start in other terminals (kill -9 one of them mid-run to see a crash) and waits for them
-// to finish the work.
+// to finish the work. The lines hold no secret: the relays read the database URL (printed without
+// its password) and the Stripe key from their environment.
 package main
 
 import (
+	"cmp"
 	"context"
 	"flag"
 	"fmt"
@@ -35,8 +38,6 @@ import (
 	"strings"
 	"syscall"
 	"time"
-
-	"github.com/txbox/txbox/internal/pgserver"
 )
 
 func main() {
@@ -60,19 +61,9 @@ func main() {
 	o.StripeURL = os.Getenv("TXBOX_STRIPE_BASE_URL")
 	o.Schema = "txbox_payments_example"
 	o.Fresh = true
+	o.DatabaseURL = cmp.Or(os.Getenv("TXBOX_DATABASE_URL"), "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable")
 
-	pg, err := pgserver.Discover(ctx, "TXBOX_DATABASE_URL", func(format string, args ...any) {
-		fmt.Fprintf(os.Stderr, format+"\n", args...)
-	})
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "payments:", err)
-		os.Exit(1)
-	}
-	o.DatabaseURL = pg.URL
 	rep, err := run(ctx, o)
-	if stopErr := pg.Stop(); stopErr != nil {
-		fmt.Fprintln(os.Stderr, "payments: stop PostgreSQL:", stopErr)
-	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "payments:", err)
 		os.Exit(1)

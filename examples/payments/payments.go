@@ -9,11 +9,14 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"text/tabwriter"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
@@ -23,17 +26,17 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stripe/stripe-go/v82"
+	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/txbox/txbox/inbox"
-	"github.com/txbox/txbox/internal/failpoint"
-	"github.com/txbox/txbox/internal/kafkatest"
-	"github.com/txbox/txbox/internal/sqlname"
-	"github.com/txbox/txbox/internal/stripetest"
+	"github.com/txbox/txbox/kafkasub"
 	"github.com/txbox/txbox/migrations"
 	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
+	"github.com/txbox/txbox/stripetest"
 )
 
 // Consumers, as the inbox knows them; the charge's idempotency key derives from the first.
@@ -180,21 +183,7 @@ func run(ctx context.Context, o options) (rep report, err error) {
 	wlog := watermill.NewSlogLogger(o.Log)
 
 	// PostgreSQL: txbox's tables and the application's charges table, in one schema.
-	if o.Fresh {
-		if err := dropSchema(ctx, o.DatabaseURL, o.Schema); err != nil {
-			return rep, err
-		}
-	}
-	db, err := sqlname.OpenDB(ctx, o.DatabaseURL, o.Schema)
-	if err != nil {
-		return rep, err
-	}
-	err = migrations.Up(ctx, db)
-	db.Close()
-	if err != nil {
-		return rep, err
-	}
-	pool, err := pgxpool.New(ctx, o.DatabaseURL)
+	pool, err := setUpDatabase(ctx, o.DatabaseURL, o.Schema, o.Fresh)
 	if err != nil {
 		return rep, err
 	}
@@ -204,24 +193,11 @@ func run(ctx context.Context, o options) (rep report, err error) {
 		return rep, err
 	}
 	a := &app{o: o, pool: pool, writer: writer, results: "payments.charge-results." + runID}
-	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+a.q("charges")+` (
-		payment_id      text PRIMARY KEY,
-		request_uuid    text NOT NULL,
-		amount          bigint NOT NULL,
-		currency        text NOT NULL,
-		status          text NOT NULL DEFAULT 'pending',
-		charge_id       text,
-		failure         text,
-		replies_applied integer NOT NULL DEFAULT 0,
-		created_at      timestamptz NOT NULL DEFAULT now(),
-		updated_at      timestamptz)`); err != nil {
-		return rep, err
-	}
 
 	// Kafka.
 	brokers := o.Brokers
 	if len(brokers) == 0 {
-		cluster, err := kafkatest.Start()
+		cluster, err := kfake.NewCluster(kfake.AllowAutoTopicCreation())
 		if err != nil {
 			return rep, fmt.Errorf("start the in-process Kafka broker: %w", err)
 		}
@@ -269,11 +245,11 @@ func run(ctx context.Context, o options) (rep report, err error) {
 		{paymentsConsumer, requests, &deliveries, a.charge},
 		{resultsConsumer, a.results, &replyDeliveries, a.applyResult},
 	} {
-		ib, err := inbox.New(inbox.Config{DB: pool, Consumer: h.consumer, Schema: o.Schema, Registerer: reg}, wlog)
+		ib, err := inbox.New(inbox.Config{DB: pool, Consumer: h.consumer, Schema: o.Schema, Registerer: reg, Delivery: kafkasub.Delivery}, wlog)
 		if err != nil {
 			return rep, err
 		}
-		sub, err := kafka.NewSubscriber(kafkatest.SubscriberConfig(brokers, h.consumer+"-"+runID), wlog)
+		sub, err := kafka.NewSubscriber(kafkasub.SubscriberConfig(brokers, h.consumer+"-"+runID), wlog)
 		if err != nil {
 			return rep, err
 		}
@@ -368,18 +344,55 @@ func run(ctx context.Context, o options) (rep report, err error) {
 	return rep, nil
 }
 
-func dropSchema(ctx context.Context, dsn, schema string) error {
-	quoted, err := sqlname.Schema(schema)
+// setUpDatabase connects to PostgreSQL and installs txbox's tables in schema (dropping it first
+// when fresh), then the application's charges table.
+func setUpDatabase(ctx context.Context, dsn, schema string, fresh bool) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
-		return err
+		return nil, fmt.Errorf("TXBOX_DATABASE_URL: %w", err)
 	}
-	conn, err := pgx.Connect(ctx, dsn)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err == nil {
+		err = pool.Ping(ctx)
+	}
 	if err != nil {
-		return err
+		return nil, fmt.Errorf("cannot reach PostgreSQL at %s:%d: %w\n"+
+			"Start PostgreSQL there, or set TXBOX_DATABASE_URL to a database where you may create a schema.",
+			cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
 	}
-	defer conn.Close(ctx)
-	_, err = conn.Exec(ctx, "DROP SCHEMA IF EXISTS "+quoted+" CASCADE")
-	return err
+	quoted := pgx.Identifier{schema}.Sanitize()
+	if fresh {
+		_, err = pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+quoted+` CASCADE`)
+	}
+	if err == nil {
+		_, err = pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+quoted)
+	}
+	if err == nil {
+		// txbox's migrations create their tables in the first schema of the search_path.
+		conn := cfg.ConnConfig.Copy()
+		conn.RuntimeParams["search_path"] = schema
+		db := stdlib.OpenDB(*conn)
+		err = migrations.Up(ctx, db)
+		db.Close()
+	}
+	if err == nil {
+		_, err = pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+quoted+`.charges (
+			payment_id      text PRIMARY KEY,
+			request_uuid    text NOT NULL,
+			amount          bigint NOT NULL,
+			currency        text NOT NULL,
+			status          text NOT NULL DEFAULT 'pending',
+			charge_id       text,
+			failure         text,
+			replies_applied integer NOT NULL DEFAULT 0,
+			created_at      timestamptz NOT NULL DEFAULT now(),
+			updated_at      timestamptz)`)
+	}
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return pool, nil
 }
 
 // publishRequests sends the payment requests the way an upstream service would, delivering some
@@ -474,14 +487,28 @@ func startRelays(ctx context.Context, o options, pool *pgxpool.Pool, brokers []s
 		})
 	}
 
+	// relay-a's crash is injected where a library user can reach: its HTTP client (the response
+	// to its relayCrashAtCall-th call is lost and it dies) and its database handle (from then on
+	// every statement fails, so it records nothing and renews no lease).
 	crashable := &crashableDB{Pool: pool}
-	dead := roundTripFunc(func(req *http.Request) (*http.Response, error) {
+	var calls atomic.Int32
+	lossyA := lossy(http.DefaultTransport.(*http.Transport).Clone())
+	dying := roundTripFunc(func(req *http.Request) (*http.Response, error) {
 		if crashable.crashed.Load() {
 			return nil, errRelayCrashed
 		}
-		return lossy(http.DefaultTransport.(*http.Transport).Clone()).RoundTrip(req)
+		res, err := lossyA.RoundTrip(req)
+		if err != nil || req.Header.Get("Idempotency-Key") == "" || calls.Add(1) != relayCrashAtCall {
+			return res, err
+		}
+		crashable.crashed.Store(true)
+		_, _ = io.Copy(io.Discard, res.Body)
+		res.Body.Close()
+		crash.Store(fmt.Sprintf("relay-a, right after Stripe answered its call #%d", relayCrashAtCall))
+		o.Log.Warn("relay-a crashed (simulated) before recording its call's result; relay-b takes over when its leases expire")
+		return nil, errRelayCrashed
 	})
-	a, err := newRelay("relay-a", crashable, dead)
+	a, err := newRelay("relay-a", crashable, dying)
 	if err != nil {
 		return nil, err
 	}
@@ -490,14 +517,7 @@ func startRelays(ctx context.Context, o options, pool *pgxpool.Pool, brokers []s
 		return nil, err
 	}
 
-	var calls atomic.Int32
-	ctxA := failpoint.WithHook(context.WithoutCancel(ctx), "call.after-send", func() {
-		if calls.Add(1) == relayCrashAtCall && crashable.crashed.CompareAndSwap(false, true) {
-			crash.Store(fmt.Sprintf("relay-a, right after Stripe answered its call #%d", relayCrashAtCall))
-			o.Log.Warn("relay-a crashed (simulated) before recording its call's result; relay-b takes over when its leases expire")
-		}
-	})
-	ctxA, stopA := context.WithCancel(ctxA)
+	ctxA, stopA := context.WithCancel(context.WithoutCancel(ctx))
 	ctxB, stopB := context.WithCancel(context.WithoutCancel(ctx))
 	doneA, doneB := make(chan error, 1), make(chan error, 1)
 	go func() { doneA <- a.Run(ctxA) }()
@@ -560,18 +580,61 @@ type errRow struct{}
 
 func (errRow) Scan(...any) error { return errRelayCrashed }
 
+// printRelayCommands prints the shell lines that start relays for this run. No secret is in them:
+// a command line is visible to every user of the machine (ps), so the database URL goes through the
+// environment, and it is printed without its password.
 func printRelayCommands(o options, brokers []string, stripeURL, runID string, double bool) {
-	key := "$STRIPE_API_KEY"
-	if double {
-		key = stripetest.TestKey
+	dsn, hadPassword := withoutPassword(o.DatabaseURL)
+	fmt.Fprintf(o.Out, "\nStart two or more relays in other terminals, in this directory (kill -9 one of them while calls run).\n"+
+		"In each terminal, first:\n\n")
+	fmt.Fprintf(o.Out, "  export TXBOX_DATABASE_URL=%s\n", shellQuote(dsn))
+	if hadPassword {
+		fmt.Fprintf(o.Out, "  export PGPASSWORD=...   # the database password, left out of the URL above\n")
 	}
-	fmt.Fprintf(o.Out, "\nStart two or more relays in other terminals (kill -9 one of them while calls run):\n\n")
+	if double {
+		fmt.Fprintf(o.Out, "  export STRIPE_API_KEY=%s   # the test double's key, not a secret\n", stripetest.TestKey)
+	} else {
+		fmt.Fprintf(o.Out, "  export STRIPE_API_KEY=...   # your Stripe test-mode key\n")
+	}
+	fmt.Fprintf(o.Out, "\nthen one of:\n\n")
 	for _, name := range []string{"relay-1", "relay-2"} {
-		fmt.Fprintf(o.Out, "  STRIPE_API_KEY=%s go run ./cmd/txbox relay --database-url '%s' --schema %s --kafka-brokers %s \\\n"+
-			"      --transactional-id-prefix %s-%s --stripe-base-url %s --shards 4 --lease-ttl 3s --owner %s --metrics-addr ''\n\n",
-			key, o.DatabaseURL, o.Schema, strings.Join(brokers, ","), o.Schema, runID, stripeURL, name)
+		fmt.Fprintf(o.Out, "  go run ./cmd/txbox relay --schema %s --kafka-brokers %s --transactional-id-prefix %s \\\n"+
+			"      --stripe-base-url %s --shards 4 --lease-ttl 3s --owner %s --metrics-addr ''\n\n",
+			shellQuote(o.Schema), shellQuote(strings.Join(brokers, ",")), shellQuote(o.Schema+"-"+runID), shellQuote(stripeURL), name)
 	}
 	fmt.Fprintf(o.Out, "Waiting up to %s for them to settle every payment...\n", o.Timeout)
+}
+
+// withoutPassword returns the connection string dsn, in URL or keyword/value form, with its
+// password removed, and whether it had one.
+func withoutPassword(dsn string) (string, bool) {
+	if u, err := url.Parse(dsn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		_, had := u.User.Password()
+		if had {
+			u.User = url.User(u.User.Username())
+		}
+		if q := u.Query(); q.Has("password") {
+			q.Del("password")
+			u.RawQuery, had = q.Encode(), true
+		}
+		return u.String(), had
+	}
+	out := strings.TrimSpace(keywordPassword.ReplaceAllString(dsn, ""))
+	return out, out != strings.TrimSpace(dsn)
+}
+
+// keywordPassword matches a password setting in a keyword/value connection string, quoted or not.
+var keywordPassword = regexp.MustCompile(`(^|\s)password\s*=\s*('(?:[^'\\]|\\.)*'|\S*)`)
+
+// shellQuote quotes s for a POSIX shell when it holds anything but plain characters.
+func shellQuote(s string) string {
+	plain := func(r rune) bool {
+		return r < utf8.RuneSelf && (unicode.IsLetter(r) || unicode.IsDigit(r) || strings.ContainsRune("@%+=:,./_-", r))
+	}
+	if s != "" && strings.IndexFunc(s, func(r rune) bool { return !plain(r) }) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 // reconcile counts, from the application's rows, the inbox's metrics and Stripe's side, what

@@ -23,9 +23,9 @@ import (
 	"github.com/txbox/txbox/internal/failpoint"
 	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/proctest"
-	"github.com/txbox/txbox/internal/stripetest"
 	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/relay"
+	"github.com/txbox/txbox/stripetest"
 )
 
 var (

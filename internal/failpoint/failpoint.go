@@ -2,10 +2,11 @@
 // consumer at an exact step (after the broker acked, before the row was marked done, between the
 // lease check and the write, say).
 //
-// # Real processes
+// # Real processes, in test builds only
 //
-// The points are read once from the environment variable TXBOX_FAILPOINTS, a comma-separated list
-// of items "name[=action][@N]":
+// A binary built with the build tag txbox_failpoints (BuildTag; internal/proctest builds the
+// binaries of the crash tests with it) reads the points once from the environment variable
+// TXBOX_FAILPOINTS, a comma-separated list of items "name[=action][@N]":
 //
 //   - action "kill" (the default) kills the process with SIGKILL, exactly as `kill -9` would;
 //   - action "stop" stops it with SIGSTOP, as a long GC pause, a VM freeze or `kill -STOP` would.
@@ -15,6 +16,10 @@
 //
 // For example TXBOX_FAILPOINTS=kafka.before-commit=stop@3,relay.after-publish@2.
 //
+// A binary built without the tag — `go build`, `go install`, a service linking txbox — contains
+// neither the code that reads TXBOX_FAILPOINTS nor the code that kills or stops the process: a
+// stray environment variable must never be able to take a production relay down.
+//
 // # In-process hooks
 //
 // A test running txbox in its own process attaches a function to a point with WithHook; the
@@ -22,22 +27,26 @@
 // derived from it), and may block to hold that code at the point. Hooks are scoped to a context,
 // not global, so parallel tests cannot trip over each other's hooks.
 //
-// Unarmed (no TXBOX_FAILPOINTS, no hook ever attached) Hit and HitContext cost a nil check and an
-// atomic load.
+// Hooks are compiled into every build, because the tests that use them are the ordinary `go test`
+// of the library's packages. They cannot be reached from outside: this package is internal, so
+// only txbox's own code can call WithHook, none of its non-test code does (internal/depgraph's
+// TestOnlyTestsAttachFailpointHooks checks every file), and nothing from the environment,
+// configuration or input turns one on. Without a hook the context is not even looked into.
+//
+// Unarmed, HitContext costs an atomic load (and, in test builds, a nil check).
 package failpoint
 
 import (
 	"context"
-	"os"
-	"os/signal"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
-	"syscall"
 )
 
-// EnvVar names the environment variable that arms failpoints.
+// BuildTag is the build tag that compiles the TXBOX_FAILPOINTS actions into a binary.
+const BuildTag = "txbox_failpoints"
+
+// EnvVar names the environment variable that arms failpoints in binaries built with BuildTag.
 const EnvVar = "TXBOX_FAILPOINTS"
 
 // Actions a failpoint armed through EnvVar takes.
@@ -51,16 +60,12 @@ type point struct {
 	action string
 }
 
-var (
-	armed = parse(os.Getenv(EnvVar))
-	mu    sync.Mutex
-	hits  = map[string]int{}
+// hooked is set once any hook was attached in this process, so that HitContext only looks into
+// contexts in processes (tests) that use hooks.
+var hooked atomic.Bool
 
-	// hooked is set once any hook was attached in this process, so that HitContext only looks
-	// into contexts in processes (tests) that use hooks.
-	hooked atomic.Bool
-)
-
+// parse reads an EnvVar value. It is compiled into every build, so its tests and fuzz target run
+// in the ordinary test suite, but only binaries built with BuildTag ever call it.
 func parse(spec string) map[string]point {
 	if spec == "" {
 		return nil
@@ -84,42 +89,10 @@ func parse(spec string) map[string]point {
 	return m
 }
 
-// Hit takes the action armed for name through EnvVar, if this is the armed hit.
-func Hit(name string) {
-	p, ok := armed[name]
-	if !ok {
-		return
-	}
-	mu.Lock()
-	hits[name]++
-	n := hits[name]
-	mu.Unlock()
-	if n != p.nth {
-		return
-	}
-	switch p.action {
-	case Stop:
-		cont := make(chan os.Signal, 1)
-		signal.Notify(cont, syscall.SIGCONT)
-		defer signal.Stop(cont)
-		_, _ = os.Stderr.WriteString("txbox failpoint: " + name + ": stopping\n")
-		_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
-		// The kernel stops the threads of a process one by one, and the thread that sent the
-		// signal need not be the first: without this wait, the code after the point could run
-		// before the process stops (a Kafka commit that should have been left open, say).
-		<-cont
-	default:
-		// Nothing is flushed or deferred: that is the point.
-		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
-		select {} // SIGKILL is not delivered synchronously; never run past the point.
-	}
-}
-
-// HitContext is Hit, and then runs the hooks that ctx carries for name.
+// HitContext marks the point name: in binaries built with BuildTag it first takes the action
+// EnvVar arms for name, if this is the armed hit; then it runs the hooks that ctx carries for name.
 func HitContext(ctx context.Context, name string) {
-	if armed != nil {
-		Hit(name)
-	}
+	act(name)
 	if !hooked.Load() {
 		return
 	}

@@ -119,29 +119,48 @@ func discoverOnce(t testing.TB) (string, error) {
 // whole database: several processes, LISTEN/NOTIFY, restarts.
 func NewDatabase(t testing.TB) string {
 	t.Helper()
-	admin := AdminURL(t)
-	name := "txbox_test_" + randomSuffix(t)
-	ident := pgx.Identifier{name}.Sanitize()
-
+	AdminURL(t) // discovers the server with t's log, or fails the test
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if err := execAdmin(ctx, admin, "CREATE DATABASE "+ident); err != nil {
-		t.Fatalf("pgtest: create database %s: %v", name, err)
+	dbURL, drop, err := CreateDatabase(ctx)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
 	}
 	t.Cleanup(func() {
+		if err := drop(); err != nil {
+			t.Errorf("pgtest: %v", err)
+		}
+	})
+	return dbURL
+}
+
+// CreateDatabase is NewDatabase for callers without a testing.TB (runnable
+// examples): it returns the new database's connection string and a function
+// that drops it.
+func CreateDatabase(ctx context.Context) (dbURL string, drop func() error, err error) {
+	admin, err := discoverOnce(nil)
+	if err != nil {
+		return "", nil, err
+	}
+	var b [8]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
+	name := "txbox_test_" + hex.EncodeToString(b[:])
+	ident := pgx.Identifier{name}.Sanitize()
+	if dbURL, err = withDatabase(admin, name); err != nil {
+		return "", nil, err
+	}
+	if err := execAdmin(ctx, admin, "CREATE DATABASE "+ident); err != nil {
+		return "", nil, fmt.Errorf("create database %s: %w", name, err)
+	}
+	return dbURL, func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		// FORCE: a test that leaked a connection must not leak the database.
 		if err := execAdmin(ctx, admin, "DROP DATABASE IF EXISTS "+ident+" WITH (FORCE)"); err != nil {
-			t.Errorf("pgtest: drop database %s: %v", name, err)
+			return fmt.Errorf("drop database %s: %w", name, err)
 		}
-	})
-
-	dbURL, err := withDatabase(admin, name)
-	if err != nil {
-		t.Fatalf("pgtest: %v", err)
-	}
-	return dbURL
+		return nil
+	}, nil
 }
 
 // execAdmin runs one statement on the admin connection, retrying while
@@ -186,12 +205,4 @@ func withDatabase(connString, name string) (string, error) {
 	}
 	// pgconn lets a later keyword override an earlier one.
 	return connString + " dbname=" + name, nil
-}
-
-func randomSuffix(t testing.TB) string {
-	var b [8]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		t.Fatalf("pgtest: %v", err)
-	}
-	return hex.EncodeToString(b[:])
 }

@@ -1,5 +1,9 @@
 // Package proctest runs txbox commands as real OS processes in tests, so crash tests can kill
 // them with SIGKILL, pause them with SIGSTOP and restart them.
+//
+// The binaries it builds are test binaries: they are built with the failpoint build tag
+// (failpoint.BuildTag), so TXBOX_FAILPOINTS in their environment kills or stops them at a named
+// point. BuildShipped builds a binary as a user's `go build` does, without it.
 package proctest
 
 import (
@@ -12,11 +16,13 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/txbox/txbox/internal/failpoint"
 )
 
 var (
 	buildMu sync.Mutex
-	built   = map[string]string{} // package → binary
+	built   = map[string]string{} // package and tags → binary
 )
 
 // Binary builds cmd/txbox once per test binary and returns its path.
@@ -25,13 +31,26 @@ func Binary(t testing.TB) string {
 	return Build(t, "./cmd/txbox")
 }
 
-// Build builds the main package pkg (a path from the module root, such as "./cmd/txbox") once per
-// test binary and returns the path of the executable.
+// Build builds the main package pkg (a path from the module root, such as "./cmd/txbox") with the
+// failpoint build tag, once per test binary, and returns the path of the executable.
 func Build(t testing.TB, pkg string) string {
+	t.Helper()
+	return build(t, pkg, failpoint.BuildTag)
+}
+
+// BuildShipped builds the main package pkg as users build it, without the failpoint build tag, once
+// per test binary, and returns the path of the executable.
+func BuildShipped(t testing.TB, pkg string) string {
+	t.Helper()
+	return build(t, pkg, "")
+}
+
+func build(t testing.TB, pkg, tags string) string {
 	t.Helper()
 	buildMu.Lock()
 	defer buildMu.Unlock()
-	if bin, ok := built[pkg]; ok {
+	key := pkg + " tags=" + tags
+	if bin, ok := built[key]; ok {
 		return bin
 	}
 	_, file, _, _ := runtime.Caller(0)
@@ -41,12 +60,13 @@ func Build(t testing.TB, pkg string) string {
 		t.Fatalf("proctest: %v", err)
 	}
 	bin := filepath.Join(dir, filepath.Base(pkg))
-	cmd := exec.Command("go", "build", "-o", bin, pkg)
+	// -tags= replaces, rather than adds to, any tags GOFLAGS sets: a shipped build is tag-free.
+	cmd := exec.Command("go", "build", "-tags="+tags, "-o", bin, pkg)
 	cmd.Dir = root
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("proctest: go build %s: %v\n%s", pkg, err, out)
+		t.Fatalf("proctest: go build -tags=%q %s: %v\n%s", tags, pkg, err, out)
 	}
-	built[pkg] = bin
+	built[key] = bin
 	return bin
 }
 
@@ -59,11 +79,17 @@ type Proc struct {
 	err  error
 }
 
-// Start runs the txbox binary with args and extra environment variables; the process is killed
-// when the test ends, and its output is logged if the test failed.
+// Start runs the txbox binary (Binary) with args and extra environment variables; the process is
+// killed when the test ends, and its output is logged if the test failed.
 func Start(t testing.TB, env []string, args ...string) *Proc {
 	t.Helper()
-	cmd := exec.Command(Binary(t), args...)
+	return StartProgram(t, Binary(t), env, args...)
+}
+
+// StartProgram is Start for the executable bin, built with Build or BuildShipped.
+func StartProgram(t testing.TB, bin string, env []string, args ...string) *Proc {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
 	cmd.Env = append(os.Environ(), env...)
 	out := &Buffer{}
 	cmd.Stdout, cmd.Stderr = out, out
@@ -80,7 +106,7 @@ func Start(t testing.TB, env []string, args ...string) *Proc {
 		_ = p.cmd.Process.Kill()
 		<-p.done
 		if t.Failed() {
-			t.Logf("output of txbox %v:\n%s", args, out.String())
+			t.Logf("output of %s %v:\n%s", filepath.Base(bin), args, out.String())
 		}
 	})
 	return p

@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/stripe/stripe-go/v82"
 
-	"github.com/txbox/txbox/internal/stripetest"
+	"github.com/txbox/txbox/stripetest"
 )
 
 // ---- helpers ----------------------------------------------------------------

@@ -1,8 +1,25 @@
-// Package stripetest is a local HTTP test double of the parts of the Stripe
-// API that txbox uses: creating charges, payment intents and refunds, and
-// retrieving them. It implements Stripe's idempotency semantics and lets tests
-// inject faults, so that the relay's "exactly one charge per outbox message"
-// guarantee can be tested without the network.
+// Package stripetest is a test double of a small part of the Stripe API, for
+// tests. It is not Stripe, not a Stripe client and not maintained by Stripe: it
+// is an HTTP server on 127.0.0.1 that answers creating charges, payment intents
+// and refunds, and retrieving them, the way txbox's authors read Stripe's
+// documentation. What it adds over a stateless mock is Stripe's idempotency
+// semantics (stored and replayed responses, 409 while a key is in flight,
+// keys forgotten after a TTL) and fault injection (lost responses, 429, 500,
+// 503, slow requests), so that a handler's or a relay's "exactly one charge
+// per message" can be tested without the network, and server-side counts
+// ([Server.ChargesFor]) to assert it with.
+//
+// Use it in tests only, and check against Stripe's test mode before relying
+// on a behaviour it imitates: anything outside the endpoints listed below
+// gets 404, and Stripe's real answers may differ in fields it does not fill.
+//
+//	double := stripetest.New(stripetest.Options{})
+//	defer double.Close()
+//	double.Inject(stripetest.Fault{Kind: stripetest.FaultDropAfterCharge})
+//	// Point the code under test at double.URL() with stripetest.TestKey as its API key,
+//	// or use double.Client(nil), a stripe-go client for the double.
+//	...
+//	if n := double.ChargesFor(key); n != 1 { t.Fatalf("charged %d times", n) }
 //
 // # Idempotency semantics
 //
