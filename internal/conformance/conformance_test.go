@@ -181,10 +181,6 @@ func (c *composition) pubSubInGroup(t *testing.T, group string) (message.Publish
 	t.Helper()
 	cfg := kafkatest.SubscriberConfig(c.brokers, group)
 	cfg.InitializeTopicDetails = &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}
-	// When the suite closes ten members of one group at once, kfake sometimes leaves a JoinGroup
-	// unanswered until the client's read timeout (30s by default) expires; the member then retries.
-	// A legitimate JoinGroup waits at most the rebalance timeout (3s in kafkatest).
-	cfg.OverwriteSaramaConfig.Net.ReadTimeout = 10 * time.Second
 	sub, err := kafka.NewSubscriber(cfg, watermill.NewSlogLogger(
 		slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelError}))))
 	require.NoError(t, err)

@@ -81,6 +81,10 @@ func SubscriberConfig(brokers []string, group string) kafka.SubscriberConfig {
 	s.Consumer.Group.Heartbeat.Interval = 200 * time.Millisecond
 	s.Consumer.Group.Rebalance.Timeout = 3 * time.Second
 	s.Metadata.Retry.Backoff = 100 * time.Millisecond
+	// When several members of one group leave at once, kfake sometimes leaves a JoinGroup
+	// unanswered until the client's read timeout (30s by default) expires; the member then retries.
+	// A legitimate JoinGroup waits at most the rebalance timeout.
+	s.Net.ReadTimeout = 10 * time.Second
 	return c
 }
 
