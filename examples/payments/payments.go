@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -23,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib" // the database/sql driver goose migrates through
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stripe/stripe-go/v82"
 
@@ -185,11 +187,11 @@ func run(ctx context.Context, o options) (rep report, err error) {
 			return rep, err
 		}
 	}
-	db, err := sqlname.OpenDB(ctx, o.DatabaseURL, o.Schema)
+	db, err := sql.Open("pgx", o.DatabaseURL)
 	if err != nil {
 		return rep, err
 	}
-	err = migrations.Up(ctx, db)
+	_, err = migrations.Up(ctx, db, migrations.WithSchema(o.Schema))
 	db.Close()
 	if err != nil {
 		return rep, err

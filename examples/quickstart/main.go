@@ -14,6 +14,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -30,11 +31,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib" // the database/sql driver goose migrates through
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/pgserver"
-	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/migrations"
 	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
@@ -478,11 +479,11 @@ func setUpSchema(ctx context.Context, url string) (*pgxpool.Pool, error) {
 		return nil, fmt.Errorf("drop schema %s: %w", schema, err)
 	}
 
-	db, err := sqlname.OpenDB(ctx, url, schema)
+	db, err := sql.Open("pgx", url)
 	if err != nil {
 		return nil, err
 	}
-	err = migrations.Up(ctx, db)
+	_, err = migrations.Up(ctx, db, migrations.WithSchema(schema))
 	db.Close()
 	if err != nil {
 		return nil, err
