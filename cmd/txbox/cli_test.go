@@ -418,19 +418,33 @@ func TestStartLine(t *testing.T) {
 	require.NotContains(t, r.stderr, "starting")
 }
 
-// The relay logs its start line, with the owner it resolved, and stops cleanly on cancellation.
+// The relay logs its start line, with the owner it resolved, and stops cleanly on cancellation. A
+// second relay with another shard count is refused by the library; the message names the flag.
 func TestRelayStartsAndStops(t *testing.T) {
 	t.Parallel()
 	e := newCLIEnv(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	kafka := map[string]string{"TXBOX_KAFKA_BROKERS": strings.Join(kafkatest.Brokers(t), ",")}
+	relayArgs := func(extra ...string) []string {
+		return append([]string{"relay", "--metrics-addr", "", "--transactional-id-prefix", e.Schema, "--lease-ttl", "1s"}, extra...)
+	}
 	var stderr proctest.Buffer
 	done := make(chan result, 1)
 	go func() {
-		done <- e.txboxContext(t, ctx, &stderr, map[string]string{"TXBOX_KAFKA_BROKERS": strings.Join(kafkatest.Brokers(t), ",")},
-			"relay", "--metrics-addr", "", "--transactional-id-prefix", e.Schema, "--shards", "2", "--lease-ttl", "1s", "--owner", "cli-test")
+		done <- e.txboxContext(t, ctx, &stderr, kafka, relayArgs("--shards", "2", "--owner", "cli-test")...)
 	}()
-	require.Eventually(t, func() bool { return strings.Contains(stderr.String(), `msg="txbox relay starting"`) }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool {
+		var held int
+		require.NoError(t, e.Pool.QueryRow(context.Background(), `SELECT count(*) FROM `+e.Q("txbox_lease")+` WHERE owner = 'cli-test' AND expires_at > now()`).Scan(&held))
+		return held > 0
+	}, 30*time.Second, 10*time.Millisecond, "the relay takes leases")
+
+	other := e.txbox(t, kafka, relayArgs("--shards", "4")...)
+	require.Equal(t, 1, other.code, other)
+	require.Contains(t, other.stderr, "--shards / TXBOX_SHARDS is 4 but running relays hold leases of a 2-shard layout")
+	require.NotContains(t, other.stderr, "Config.")
+
 	cancel()
 	select {
 	case r := <-done:

@@ -58,11 +58,11 @@ func (a *app) relayCommand() *cobra.Command {
 	annotate(f, annField, "Config.PollInterval")
 	a.setting(fs, boolValue(&s.transactional), "transactional", "TXBOX_TRANSACTIONAL", "publish each batch as a Kafka transaction, fencing relays that lost their lease; false = idempotent producer only").NoOptDefVal = "true"
 	f = a.setting(fs, text(&s.stripeURL, httpURL), "stripe-base-url", "TXBOX_STRIPE_BASE_URL", "Stripe API address for side-effect calls, which run when "+relay.APIKeyEnvVar+" is set")
-	annotate(f, annField, "BaseURL")
+	annotate(f, annField, "Config.Calls: BaseURL")
 	f = a.setting(fs, durationIn(&s.replayWindow, time.Minute, 24*time.Hour-time.Minute), "call-replay-window", "TXBOX_CALL_REPLAY_WINDOW", "oldest first attempt a call may have when sent; older calls go to the DLQ for reconciliation (below 24h)")
-	annotate(f, annField, "ReplayWindow")
+	annotate(f, annField, "Config.Calls: ReplayWindow")
 	f = a.setting(fs, durationIn(&s.callTimeout, 100*time.Millisecond, 10*time.Minute), "call-timeout", "TXBOX_CALL_TIMEOUT", "timeout of one side-effect request, at most --lease-ttl (default two thirds of --lease-ttl)")
-	annotate(f, annField, "Timeout")
+	annotate(f, annField, "Config.Calls: Timeout")
 
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
