@@ -64,11 +64,14 @@ func withPassword(t *testing.T, dsn, pw string) string {
 // checks that the password appears in no output.
 func (e *cliEnv) txbox(t *testing.T, extra map[string]string, args ...string) result {
 	t.Helper()
-	return e.txboxContext(t, context.Background(), nil, extra, args...)
+	r := e.exec(context.Background(), nil, extra, args...)
+	e.requireNoSecret(t, r)
+	return r
 }
 
-func (e *cliEnv) txboxContext(t *testing.T, ctx context.Context, stderr *proctest.Buffer, extra map[string]string, args ...string) result {
-	t.Helper()
+// exec runs txbox, writing its standard error to stderr as well when that is given. It may run
+// on any goroutine: it asserts nothing.
+func (e *cliEnv) exec(ctx context.Context, stderr *proctest.Buffer, extra map[string]string, args ...string) result {
 	vars := map[string]string{}
 	for k, v := range e.vars {
 		vars[k] = v
@@ -81,10 +84,13 @@ func (e *cliEnv) txboxContext(t *testing.T, ctx context.Context, stderr *proctes
 	}
 	var stdout proctest.Buffer
 	code := invoke(ctx, args, vars, &stdout, stderr)
-	r := result{code: code, stdout: stdout.String(), stderr: stderr.String()}
-	require.NotContains(t, r.stdout, e.password, "the password leaked: %v", args)
-	require.NotContains(t, r.stderr, e.password, "the password leaked: %v", args)
-	return r
+	return result{code: code, stdout: stdout.String(), stderr: stderr.String()}
+}
+
+func (e *cliEnv) requireNoSecret(t *testing.T, r result) {
+	t.Helper()
+	require.NotContains(t, r.stdout, e.password, "the password leaked:\n%s", r)
+	require.NotContains(t, r.stderr, e.password, "the password leaked:\n%s", r)
 }
 
 // snapshot describes the test schema's tables and their row counts, to show a command changed
@@ -306,10 +312,11 @@ func TestConcurrentMigrateUp(t *testing.T) {
 		results := make([]result, 4)
 		var wg sync.WaitGroup
 		for i := range results {
-			wg.Go(func() { results[i] = e.txbox(t, nil, "migrate", "up", "--schema", schema) })
+			wg.Go(func() { results[i] = e.exec(context.Background(), nil, nil, "migrate", "up", "--schema", schema) })
 		}
 		wg.Wait()
 		for _, r := range results {
+			e.requireNoSecret(t, r)
 			require.Zero(t, r.code, "round %d: %s", round, r)
 		}
 		require.Contains(t, e.tables(t, schema), "txbox_outbox")
@@ -432,7 +439,7 @@ func TestRelayStartsAndStops(t *testing.T) {
 	var stderr proctest.Buffer
 	done := make(chan result, 1)
 	go func() {
-		done <- e.txboxContext(t, ctx, &stderr, kafka, relayArgs("--shards", "2", "--owner", "cli-test")...)
+		done <- e.exec(ctx, &stderr, kafka, relayArgs("--shards", "2", "--owner", "cli-test")...)
 	}()
 	require.Eventually(t, func() bool {
 		var held int
@@ -448,6 +455,7 @@ func TestRelayStartsAndStops(t *testing.T) {
 	cancel()
 	select {
 	case r := <-done:
+		e.requireNoSecret(t, r)
 		require.Zero(t, r.code, r)
 		require.Regexp(t, `msg="txbox relay starting" .*database_url=postgres://\S+@`, r.stderr)
 		require.Contains(t, r.stderr, "owner=cli-test")
