@@ -3,29 +3,32 @@ package migrations_test
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"testing"
 
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/txbox/txbox/internal/pgtest"
-	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/migrations"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
-func open(t *testing.T, url, schema string) *sql.DB {
+// open returns a pool of its own: separate pools are separate sessions, like separate processes.
+func open(t *testing.T, url string) *sql.DB {
 	t.Helper()
-	db, err := sqlname.OpenDB(context.Background(), url, schema)
+	db, err := sql.Open("pgx", url)
 	require.NoError(t, err)
 	t.Cleanup(func() { db.Close() })
 	return db
 }
 
-func tables(t *testing.T, db *sql.DB) []string {
+func tables(t *testing.T, db *sql.DB, schema string) []string {
 	t.Helper()
-	rows, err := db.Query(`SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() ORDER BY 1`)
+	rows, err := db.Query(`SELECT table_name FROM information_schema.tables WHERE table_schema = $1 ORDER BY 1`, schema)
 	require.NoError(t, err)
 	defer rows.Close()
 	var names []string
@@ -38,51 +41,153 @@ func tables(t *testing.T, db *sql.DB) []string {
 	return names
 }
 
+func schemaExists(t *testing.T, db *sql.DB, schema string) bool {
+	t.Helper()
+	var ok bool
+	require.NoError(t, db.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&ok))
+	return ok
+}
+
 func TestUpDownUp(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := open(t, pgtest.NewDatabase(t), "public")
+	db := open(t, pgtest.NewDatabase(t))
+	in := migrations.WithSchema("txbox")
 
-	require.NoError(t, migrations.Up(ctx, db))
-	require.Contains(t, tables(t, db), "txbox_outbox")
-	require.Contains(t, tables(t, db), "txbox_inbox")
-	require.Contains(t, tables(t, db), "txbox_lease")
-	require.Contains(t, tables(t, db), migrations.VersionTable)
+	applied, err := migrations.Up(ctx, db, in)
+	require.NoError(t, err)
+	require.NotEmpty(t, applied)
+	require.Contains(t, tables(t, db, "txbox"), "txbox_outbox")
+	require.Contains(t, tables(t, db, "txbox"), "txbox_inbox")
+	require.Contains(t, tables(t, db, "txbox"), "txbox_lease")
+	require.Contains(t, tables(t, db, "txbox"), migrations.VersionTable)
+	require.NotContains(t, tables(t, db, "public"), migrations.VersionTable, "nothing lands in the connection's own search_path")
 
-	require.NoError(t, migrations.Down(ctx, db))
-	require.Equal(t, []string{migrations.VersionTable}, tables(t, db), "down leaves only goose's version table")
+	again, err := migrations.Up(ctx, db, in)
+	require.NoError(t, err)
+	require.Empty(t, again)
 
-	require.NoError(t, migrations.Up(ctx, db))
-	require.Contains(t, tables(t, db), "txbox_outbox")
+	rolledBack, err := migrations.Down(ctx, db, in)
+	require.NoError(t, err)
+	require.Len(t, rolledBack, len(applied))
+	require.Equal(t, []string{migrations.VersionTable}, tables(t, db, "txbox"), "down leaves only goose's version table")
 
-	p, err := migrations.NewProvider(ctx, db)
+	_, err = migrations.Up(ctx, db, in)
+	require.NoError(t, err)
+	require.Contains(t, tables(t, db, "txbox"), "txbox_outbox")
+
+	// The goose Provider, for callers who want it; HasPending takes no lock and runs without the
+	// search_path, so it relies on the qualified version table.
+	p, err := migrations.NewProvider(ctx, db, in)
 	require.NoError(t, err)
 	pending, err := p.HasPending(ctx)
 	require.NoError(t, err)
 	require.False(t, pending)
 }
 
-func TestConcurrentMigrationsTakeTurns(t *testing.T) {
+// Several processes installing txbox into a schema that does not exist yet take turns: the schema
+// is created under the migration lock. Before, each created it first and most rounds failed with
+// a duplicate key on pg_namespace.
+func TestConcurrentUpOnANewSchema(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	url := pgtest.NewDatabase(t)
-	var g errgroup.Group
-	for range 4 {
-		db := open(t, url, "txbox") // separate pools: separate sessions, like separate processes
-		g.Go(func() error { return migrations.Up(ctx, db) })
+	for round := range 5 {
+		schema := fmt.Sprintf("fresh_%d", round)
+		var g errgroup.Group
+		for range 4 {
+			db := open(t, url)
+			g.Go(func() error {
+				_, err := migrations.Up(ctx, db, migrations.WithSchema(schema))
+				return err
+			})
+		}
+		require.NoError(t, g.Wait(), "round %d", round)
+		db := open(t, url)
+		var applied int
+		require.NoError(t, db.QueryRow(`SELECT count(*) FROM `+schema+`.`+migrations.VersionTable+` WHERE version_id > 0`).Scan(&applied))
+		p, err := migrations.NewProvider(ctx, db, migrations.WithSchema(schema))
+		require.NoError(t, err)
+		require.Len(t, p.ListSources(), applied, "each migration applied exactly once")
 	}
-	require.NoError(t, g.Wait())
-	db := open(t, url, "txbox")
-	var applied int
-	require.NoError(t, db.QueryRow(`SELECT count(*) FROM txbox.`+migrations.VersionTable+` WHERE version_id > 0`).Scan(&applied))
-	p, err := migrations.NewProvider(ctx, db)
+}
+
+// Status and Down never create anything: a mistyped schema is an error, not a new empty schema.
+func TestStatusAndDownNeedAnInstalledSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := open(t, pgtest.NewDatabase(t))
+	typo := migrations.WithSchema("txbx")
+
+	_, err := migrations.Status(ctx, db, typo)
+	require.ErrorIs(t, err, migrations.ErrSchemaNotFound)
+	_, err = migrations.Down(ctx, db, typo)
+	require.ErrorIs(t, err, migrations.ErrSchemaNotFound)
+	_, err = migrations.Down(ctx, db, typo, migrations.WithForce())
+	require.ErrorIs(t, err, migrations.ErrSchemaNotFound)
+	require.False(t, schemaExists(t, db, "txbx"))
+
+	// A schema of the application's, where txbox was never installed: every migration is pending,
+	// and goose's version table is not created.
+	_, err = db.Exec(`CREATE SCHEMA app`)
 	require.NoError(t, err)
-	sources := p.ListSources()
-	require.Equal(t, len(sources), applied, "each migration applied exactly once")
+	st, err := migrations.Status(ctx, db, migrations.WithSchema("app"))
+	require.NoError(t, err)
+	require.NotEmpty(t, st)
+	for _, s := range st {
+		require.Equal(t, goose.StatePending, s.State)
+	}
+	_, err = migrations.Down(ctx, db, migrations.WithSchema("app"))
+	require.ErrorIs(t, err, migrations.ErrNotInstalled)
+	require.Empty(t, tables(t, db, "app"))
+}
+
+func TestDownRefusesWhileMessagesRemain(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := open(t, pgtest.NewDatabase(t))
+	in := migrations.WithSchema("txbox")
+	_, err := migrations.Up(ctx, db, in)
+	require.NoError(t, err)
+	_, err = db.Exec(`INSERT INTO txbox.txbox_outbox (kind, slot, topic, partition_key, uuid, payload) VALUES ('message', 0, 't', 'k', 'u-1', '')`)
+	require.NoError(t, err)
+	_, err = db.Exec(`INSERT INTO txbox.txbox_dlq (source, kind, topic, uuid, payload, reason) SELECT 'relay', 'message', 't', 'u-' || g, '', 'r' FROM generate_series(1, 2) g`)
+	require.NoError(t, err)
+
+	_, err = migrations.Down(ctx, db, in)
+	var notEmpty *migrations.NotEmptyError
+	require.ErrorAs(t, err, &notEmpty)
+	require.Equal(t, migrations.NotEmptyError{Schema: "txbox", OutboxRows: 1, DeadLetters: 2}, *notEmpty)
+	require.Contains(t, tables(t, db, "txbox"), "txbox_outbox", "nothing was dropped")
+
+	_, err = migrations.Down(ctx, db, in, migrations.WithForce())
+	require.NoError(t, err)
+	require.Equal(t, []string{migrations.VersionTable}, tables(t, db, "txbox"))
+}
+
+// The search_path goose needs is set on the migrating session only, and reset before that
+// connection goes back to the caller's pool.
+func TestSearchPathIsResetAfterwards(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := open(t, pgtest.NewDatabase(t))
+	db.SetMaxOpenConns(1)
+	var before string
+	require.NoError(t, db.QueryRow(`SHOW search_path`).Scan(&before))
+	_, err := migrations.Up(ctx, db, migrations.WithSchema("txbox"))
+	require.NoError(t, err)
+	_, err = migrations.Status(ctx, db, migrations.WithSchema("nope"))
+	require.ErrorIs(t, err, migrations.ErrSchemaNotFound)
+	var after string
+	require.NoError(t, db.QueryRow(`SHOW search_path`).Scan(&after))
+	require.Equal(t, before, after)
 }
 
 func TestSchemaNamesAreValidated(t *testing.T) {
 	t.Parallel()
-	_, err := sqlname.OpenDB(context.Background(), pgtest.AdminURL(t), `x"; DROP TABLE y; --`)
-	require.ErrorContains(t, err, "not a valid name")
+	db := open(t, pgtest.AdminURL(t))
+	for _, name := range []string{`x"; DROP TABLE y; --`, "information_schema", "pg_catalog", "pg_toast"} {
+		_, err := migrations.Up(context.Background(), db, migrations.WithSchema(name))
+		require.Error(t, err, name)
+	}
 }

@@ -2,13 +2,14 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib" // the database/sql driver goose migrates through
 
 	"github.com/txbox/txbox/internal/pgtest"
-	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/migrations"
 	"github.com/txbox/txbox/outbox"
 )
@@ -22,14 +23,14 @@ func ExampleWriter_Publish() {
 		return
 	}
 	const schema = "txbox_example_outbox"
-	db, err := sqlname.OpenDB(ctx, url, schema)
+	db, err := sql.Open("pgx", url)
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
 	defer db.Close()
 	defer db.ExecContext(ctx, "DROP SCHEMA "+schema+" CASCADE") //nolint:errcheck // Best-effort cleanup.
-	if err := migrations.Up(ctx, db); err != nil {
+	if _, err := migrations.Up(ctx, db, migrations.WithSchema(schema)); err != nil {
 		fmt.Println(err)
 		return
 	}

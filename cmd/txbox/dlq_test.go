@@ -1,10 +1,8 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
-	"flag"
 	"fmt"
 	"strings"
 	"testing"
@@ -20,25 +18,33 @@ import (
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
 type cliBundle struct {
+	*cliEnv
 	env    *txtest.Env
 	writer *dlq.Writer
 }
 
 func setupCLI(t *testing.T) *cliBundle {
 	t.Helper()
-	env := txtest.New(t)
-	w, err := dlq.NewWriter(env.Schema)
+	e := newCLIEnv(t)
+	w, err := dlq.NewWriter(e.Schema)
 	require.NoError(t, err)
-	return &cliBundle{env: env, writer: w}
+	return &cliBundle{cliEnv: e, env: e.Env, writer: w}
 }
 
-// txbox runs the command in process against the test's schema and returns its standard output.
-func (b *cliBundle) txbox(t *testing.T, args ...string) (string, error) {
+// ok runs txbox and requires it to succeed, returning its standard output.
+func (b *cliBundle) ok(t *testing.T, args ...string) string {
 	t.Helper()
-	var stdout, stderr bytes.Buffer
-	args = append(args, "--database-url", b.env.URL, "--schema", b.env.Schema)
-	err := run(context.Background(), args, &stdout, &stderr)
-	return stdout.String(), err
+	r := b.txbox(t, nil, args...)
+	require.Zero(t, r.code, "%v\n%s", args, r)
+	return r.stdout
+}
+
+// fails runs txbox and requires it to exit with code, returning its standard error.
+func (b *cliBundle) fails(t *testing.T, code int, args ...string) string {
+	t.Helper()
+	r := b.txbox(t, nil, args...)
+	require.Equal(t, code, r.code, "%v\n%s", args, r)
+	return r.stderr
 }
 
 func (b *cliBundle) add(t *testing.T, e dlq.Entry) int64 {
@@ -80,8 +86,7 @@ func TestDLQList(t *testing.T) {
 	_, err := b.env.Pool.Exec(context.Background(), `UPDATE `+b.env.Q("txbox_dlq")+` SET first_failed_at = now() - interval '2 days' WHERE id = $1`, a)
 	require.NoError(t, err)
 
-	out, err := b.txbox(t, "dlq", "list")
-	require.NoError(t, err)
+	out := b.ok(t, "dlq", "list")
 	require.Contains(t, out, "ID")
 	require.Contains(t, out, "m-a")
 	require.Contains(t, out, "m-r")
@@ -103,8 +108,7 @@ func TestDLQList(t *testing.T) {
 		{[]string{"--id", fmt.Sprint(a), "--id", fmt.Sprint(r)}, []int64{a, r}},
 		{[]string{"--kind", "call"}, nil},
 	} {
-		out, err := b.txbox(t, append([]string{"dlq", "list", "--json"}, tc.args...)...)
-		require.NoError(t, err, tc.args)
+		out := b.ok(t, append([]string{"dlq", "list", "--json"}, tc.args...)...)
 		var got []struct {
 			ID           int64  `json:"id"`
 			Source       string `json:"source"`
@@ -118,8 +122,7 @@ func TestDLQList(t *testing.T) {
 		require.Equal(t, tc.want, ids, tc.args)
 	}
 
-	out, err = b.txbox(t, "dlq", "list", "--limit", "1")
-	require.NoError(t, err)
+	out = b.ok(t, "dlq", "list", "--limit", "1")
 	require.Contains(t, out, "1 of 2 letters (raise --limit to see more)")
 }
 
@@ -130,31 +133,22 @@ func TestDLQShow(t *testing.T) {
 		Payload: []byte(`{"order":7}`), Metadata: map[string]string{"b": "2", "a": "1"}, Error: "line one\nline two"})
 	bin := b.add(t, dlq.Entry{Source: dlq.SourceRelay, Kind: "call", UUID: "c-1", IdempotencyKey: "idem-1", Payload: []byte{0xff, 0x00}})
 
-	out, err := b.txbox(t, "dlq", "show", fmt.Sprint(id))
-	require.NoError(t, err)
+	out := b.ok(t, "dlq", "show", fmt.Sprint(id))
 	for _, want := range []string{"uuid:", "m-1", "consumer:", "billing", "order-7", "  line one\n  line two", "  a: 1\n  b: 2", `payload (11 bytes):`, `  {"order":7}`} {
 		require.Contains(t, out, want)
 	}
 
-	out, err = b.txbox(t, "dlq", "show", fmt.Sprint(bin), "--json")
-	require.NoError(t, err, "flags may follow the id")
+	out = b.ok(t, "dlq", "show", fmt.Sprint(bin), "--json")
 	var got map[string]any
 	require.NoError(t, json.Unmarshal([]byte(out), &got))
 	require.Equal(t, "/wA=", got["payload_base64"])
 	require.Equal(t, "idem-1", got["idempotency_key"])
 	require.NotContains(t, got, "payload")
 
-	out, err = b.txbox(t, "dlq", "show", fmt.Sprint(bin))
-	require.NoError(t, err)
+	out = b.ok(t, "dlq", "show", fmt.Sprint(bin))
 	require.Contains(t, out, "cannot be redriven")
 
-	_, err = b.txbox(t, "dlq", "show", "999999")
-	require.ErrorIs(t, err, dlq.ErrNotFound)
-	require.NotErrorIs(t, err, errUsage)
-	_, err = b.txbox(t, "dlq", "show", "abc")
-	require.ErrorIs(t, err, errUsage)
-	_, err = b.txbox(t, "dlq", "show")
-	require.ErrorIs(t, err, errUsage)
+	require.Contains(t, b.fails(t, 1, "dlq", "show", "999999"), "no such letter")
 }
 
 func TestDLQDiscard(t *testing.T) {
@@ -164,28 +158,19 @@ func TestDLQDiscard(t *testing.T) {
 	b.add(t, dlq.Entry{Source: dlq.SourceInbox, Consumer: "shipping", DedupKey: "m-b", UUID: "m-b"})
 	b.addMany(t, 3, "message")
 
-	_, err := b.txbox(t, "dlq", "discard")
-	require.ErrorIs(t, err, errUsage)
-	require.ErrorContains(t, err, "needs a filter")
-	require.ErrorContains(t, err, "--all")
-	_, err = b.txbox(t, "dlq", "discard", "--limit", "2")
-	require.ErrorIs(t, err, errUsage)
+	b.fails(t, 2, "dlq", "discard", "--limit", "2")
 
-	out, err := b.txbox(t, "dlq", "discard", "--source", "relay", "--dry-run")
-	require.NoError(t, err)
+	out := b.ok(t, "dlq", "discard", "--source", "relay", "--dry-run")
 	require.Equal(t, "dry run: 3 letter(s) would be discarded; nothing was deleted\n", out)
 	require.Equal(t, 5, b.count(t, "txbox_dlq"))
 
-	out, err = b.txbox(t, "dlq", "discard", "--id", fmt.Sprintf("%d,999999", a))
-	require.NoError(t, err)
+	out = b.ok(t, "dlq", "discard", "--id", fmt.Sprintf("%d,999999", a))
 	require.Equal(t, "discarded 1 letter(s) (1 of the given ids did not match)\n", out)
 
-	out, err = b.txbox(t, "dlq", "discard", "--source", "relay")
-	require.NoError(t, err)
+	out = b.ok(t, "dlq", "discard", "--source", "relay")
 	require.Equal(t, "discarded 3 letter(s)\n", out)
 
-	out, err = b.txbox(t, "dlq", "discard", "--all")
-	require.NoError(t, err)
+	out = b.ok(t, "dlq", "discard", "--all")
 	require.Equal(t, "discarded 1 letter(s)\n", out)
 	require.Zero(t, b.count(t, "txbox_dlq"))
 }
@@ -199,12 +184,7 @@ func TestDLQRedrive(t *testing.T) {
 		` (consumer, dedup_key, message_uuid, topic, state) VALUES ('billing', 'm-1', 'm-1', 'orders', 'dead')`)
 	require.NoError(t, err)
 
-	_, err = b.txbox(t, "dlq", "redrive")
-	require.ErrorIs(t, err, errUsage)
-	require.ErrorContains(t, err, "needs a filter")
-
-	out, err := b.txbox(t, "dlq", "redrive", "--source", "relay", "--dry-run")
-	require.NoError(t, err)
+	out := b.ok(t, "dlq", "redrive", "--source", "relay", "--dry-run")
 	require.Contains(t, out, "dry run: 150 letter(s) would be redriven")
 	require.Contains(t, out, "bulk")
 	require.Contains(t, out, "… and 130 more")
@@ -213,30 +193,23 @@ func TestDLQRedrive(t *testing.T) {
 	require.Zero(t, b.count(t, "txbox_outbox"))
 	require.Equal(t, 151, b.count(t, "txbox_dlq"))
 
-	_, err = b.txbox(t, "dlq", "redrive", "--source", "relay")
-	require.ErrorIs(t, err, errUsage)
-	require.ErrorContains(t, err, "150 letters match; redriving more than 100 needs an explicit --rate")
+	stderr := b.fails(t, 2, "dlq", "redrive", "--source", "relay")
+	require.Contains(t, stderr, "150 letters match; redriving more than 100 needs an explicit --rate / TXBOX_REDRIVE_RATE")
 	require.Zero(t, b.count(t, "txbox_outbox"))
 
-	_, err = b.txbox(t, "dlq", "redrive", "--source", "relay", "--rate", "0")
-	require.ErrorIs(t, err, errUsage)
-
 	// A hundred or fewer move without --rate.
-	out, err = b.txbox(t, "dlq", "redrive", "--id", fmt.Sprint(inboxID))
-	require.NoError(t, err)
+	out = b.ok(t, "dlq", "redrive", "--id", fmt.Sprint(inboxID))
 	require.Contains(t, out, "redrove 1 letter(s) into the outbox")
 	require.Contains(t, out, "released 1 dead inbox row(s)")
 	require.Equal(t, 1, b.count(t, "txbox_outbox"))
 	require.Zero(t, b.count(t, "txbox_inbox"))
 
-	out, err = b.txbox(t, "dlq", "redrive", "--source", "relay", "--rate", "100000", "--batch-size", "40")
-	require.NoError(t, err)
+	out = b.ok(t, "dlq", "redrive", "--source", "relay", "--rate", "100000", "--batch-size", "40")
 	require.Contains(t, out, "redrove 150 letter(s) into the outbox")
 	require.Equal(t, 151, b.count(t, "txbox_outbox"))
 	require.Zero(t, b.count(t, "txbox_dlq"))
 
-	out, err = b.txbox(t, "dlq", "redrive", "--all")
-	require.NoError(t, err)
+	out = b.ok(t, "dlq", "redrive", "--all")
 	require.Equal(t, "no letters match; nothing to redrive\n", out)
 }
 
@@ -247,54 +220,13 @@ func TestDLQRedriveRefusesCalls(t *testing.T) {
 	b.add(t, dlq.Entry{Source: dlq.SourceRelay, UUID: "m-1"})
 
 	for _, args := range [][]string{{"--all"}, {"--all", "--dry-run"}} {
-		_, err := b.txbox(t, append([]string{"dlq", "redrive"}, args...)...)
-		require.ErrorIs(t, err, dlq.ErrCallNotRedrivable)
-		require.ErrorContains(t, err, "reconcile them with the provider by hand, then discard them")
+		stderr := b.fails(t, 1, append([]string{"dlq", "redrive"}, args...)...)
+		require.Contains(t, stderr, "reconcile them with the provider by hand, then discard them")
 	}
 	require.Zero(t, b.count(t, "txbox_outbox"))
 
-	out, err := b.txbox(t, "dlq", "redrive", "--kind", "message")
-	require.NoError(t, err)
+	out := b.ok(t, "dlq", "redrive", "--kind", "message")
 	require.Contains(t, out, "redrove 1 letter(s)")
-}
-
-func TestDLQUsageErrors(t *testing.T) {
-	t.Parallel()
-	b := setupCLI(t)
-	for _, args := range [][]string{
-		{"dlq"},
-		{"dlq", "purge"},
-		{"dlq", "list", "--source", "kafka"},
-		{"dlq", "list", "--kind", "email"},
-		{"dlq", "list", "--older-than", "yesterday"},
-		{"dlq", "list", "--id", "x"},
-		{"dlq", "list", "--limit", "-1"},
-		{"dlq", "list", "extra"},
-		{"dlq", "redrive", "--all", "--batch-size", "0"},
-	} {
-		_, err := b.txbox(t, args...)
-		require.ErrorIs(t, err, errUsage, args)
-	}
-	for _, sub := range []string{"list", "show", "redrive", "discard"} {
-		_, err := b.txbox(t, "dlq", sub, "--help")
-		require.ErrorIs(t, err, flag.ErrHelp, sub)
-	}
-	_, err := b.txbox(t, "dlq", "--help")
-	require.NoError(t, err)
-
-	var stdout, stderr bytes.Buffer
-	err = run(context.Background(), []string{"dlq", "list", "--database-url", b.env.URL, "--schema", "Bad-Schema"}, &stdout, &stderr)
-	require.ErrorIs(t, err, errUsage)
-	require.ErrorContains(t, err, "--schema")
-}
-
-// Not parallel: it clears the environment variable the flag falls back to.
-func TestDLQRequiresDatabaseURL(t *testing.T) {
-	t.Setenv("TXBOX_DATABASE_URL", "")
-	var stdout, stderr bytes.Buffer
-	err := run(context.Background(), []string{"dlq", "list"}, &stdout, &stderr)
-	require.ErrorIs(t, err, errUsage)
-	require.ErrorContains(t, err, "--database-url is required (or set TXBOX_DATABASE_URL)")
 }
 
 func TestParseAge(t *testing.T) {
@@ -306,7 +238,7 @@ func TestParseAge(t *testing.T) {
 		require.NoError(t, err, in)
 		require.Equal(t, want, got, in)
 	}
-	for _, in := range []string{"", "d", "xd", "1w", "-5m", "1d-48h"} {
+	for _, in := range []string{"", "d", "xd", "1w", "-5m", "1d-48h", "-1d", "213506d", "106752d", "3651d", "87601h"} {
 		_, err := parseAge(in)
 		require.Error(t, err, in)
 	}
@@ -321,16 +253,9 @@ func TestRetentionCommand(t *testing.T) {
 		FROM generate_series(1, 40) AS g`)
 	require.NoError(t, err)
 
-	_, err = b.txbox(t, "retention")
-	require.ErrorIs(t, err, errUsage)
-	require.ErrorContains(t, err, "--broker-retention is required")
-	_, err = b.txbox(t, "retention", "--broker-retention", "15d")
-	require.ErrorIs(t, err, errUsage)
-	require.ErrorContains(t, err, "--inbox-retention (15d0h) must be longer than --broker-retention (15d0h)")
 	require.Equal(t, 40, b.count(t, "txbox_inbox"))
 
-	out, err := b.txbox(t, "retention", "--broker-retention", "7d", "--inbox-retention", "8d", "--batch-size", "7")
-	require.NoError(t, err)
+	out := b.ok(t, "retention", "--broker-retention", "7d", "--inbox-retention", "8d", "--batch-size", "7")
 	require.Contains(t, out, "deleted 30 processed and 0 dead inbox row(s), 0 attempt counter(s), 0 call result(s)")
 	require.Contains(t, out, "txbox_inbox")
 	require.Contains(t, out, "DEAD ROWS")
@@ -343,8 +268,7 @@ func TestStatusCommand(t *testing.T) {
 	b.add(t, dlq.Entry{Source: dlq.SourceInbox, Consumer: "billing", DedupKey: "m-1", UUID: "m-1"})
 	b.add(t, dlq.Entry{Source: dlq.SourceInbox, Consumer: "billing", DedupKey: "m-2", UUID: "m-2"})
 
-	out, err := b.txbox(t, "status")
-	require.NoError(t, err)
+	out := b.ok(t, "status")
 	require.Contains(t, out, "inbox  2, oldest")
 	require.Contains(t, out, "relay  0\n")
 	for _, table := range []string{"txbox_outbox", "txbox_inbox", "txbox_inbox_attempt", "txbox_dlq", "txbox_call_result"} {

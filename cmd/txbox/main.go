@@ -1,144 +1,173 @@
-// Command txbox applies txbox's migrations and runs the relay.
+// Command txbox applies txbox's migrations, runs the relay and looks after dead letters.
 //
 //	txbox migrate up|down|status   apply, roll back or show the schema migrations
 //	txbox relay                    publish outbox rows to Kafka until SIGINT/SIGTERM
+//	txbox dlq list|show|redrive|discard
+//	txbox retention                delete rows txbox no longer needs
+//	txbox status                   dead-letter depth and table sizes
+//	txbox version | completion bash|zsh|fish
 //
-// Every flag falls back to an environment variable; `txbox <command> --help` lists them.
+// Flags may come anywhere after the command; every setting falls back to a TXBOX_* environment
+// variable (`txbox <command> --help` lists them). A value that cannot be used is a usage error
+// naming the flag and its variable, with exit status 2, before anything is changed.
 package main
 
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"os/signal"
+	"runtime/debug"
+	"strings"
 	"syscall"
 
-	"github.com/txbox/txbox/internal/sqlname"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
-
-// command is one subcommand: its flags are registered on fs, and run does the work.
-type command struct {
-	name, summary string
-	run           func(ctx context.Context, args []string, stdout io.Writer) error
-}
-
-var commands = []command{
-	{"migrate", "apply, roll back or show txbox's schema migrations", runMigrate},
-	{"relay", "publish outbox rows to Kafka (runs until SIGINT or SIGTERM)", runRelay},
-	{"dlq", "list, show, redrive (paced) or discard dead letters", runDLQ},
-	{"retention", "delete inbox rows, attempt counters and call results txbox no longer needs", runRetention},
-	{"status", "show the dead-letter depth and the size of txbox's tables", runStatus},
-}
-
-// errUsage marks an error in how txbox was called: it exits with status 2, not 1.
-var errUsage = errors.New("usage")
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	code := run(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr)
 	stop()
-	switch {
-	case err == nil || errors.Is(err, flag.ErrHelp):
-	case errors.Is(err, errUsage):
-		fmt.Fprintln(os.Stderr, "txbox:", err)
-		os.Exit(2)
-	default:
-		fmt.Fprintln(os.Stderr, "txbox:", err)
-		os.Exit(1)
-	}
+	os.Exit(code)
 }
 
-func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	slog.SetDefault(slog.New(slog.NewTextHandler(stderr, nil)))
-	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
-		usage(stderr)
-		if len(args) == 0 {
-			return fmt.Errorf("%w: no command given", errUsage)
+// app is one invocation of txbox: its environment, its outputs and its logger.
+type app struct {
+	getenv         func(string) string
+	stdout, stderr io.Writer
+	log            *slog.Logger
+
+	logLevel, logFormat string
+}
+
+// run runs txbox with args and returns its exit status: 0, 1 for a failure, 2 for a usage error.
+// Errors go to stderr, sanitised, after "txbox: ".
+func run(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
+	a := &app{getenv: getenv, stdout: stdout, stderr: stderr, log: slog.New(slog.NewTextHandler(stderr, nil))}
+	root := a.rootCommand()
+	root.SetArgs(args)
+	cmd, err := root.ExecuteContextC(ctx)
+	if err == nil {
+		return 0
+	}
+	fmt.Fprintf(stderr, "txbox: %s\n", sanitize(err.Error(), true))
+	if errors.Is(err, errUsage) {
+		fmt.Fprintf(stderr, "Run '%s --help' for usage.\n", cmd.CommandPath())
+		return 2
+	}
+	return 1
+}
+
+func (a *app) rootCommand() *cobra.Command {
+	root := &cobra.Command{
+		Use:   "txbox",
+		Short: "Effectively-once messaging on PostgreSQL: migrations, the relay, dead letters and cleanup",
+		Long: "txbox applies its schema migrations, runs the relay that publishes outbox rows to Kafka,\n" +
+			"and inspects, redrives and discards dead letters.\n\n" +
+			"Every setting falls back to the TXBOX_* environment variable named in its help.",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		Args:          usageArgs(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cmd.SetOut(a.stderr)
+			_ = cmd.Help()
+			return usagef("no command given")
+		},
+		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.applyEnv(cmd.Flags()); err != nil {
+				return err
+			}
+			return a.setUpLogging()
+		},
+	}
+	root.SetOut(a.stdout)
+	root.SetErr(a.stderr)
+	root.SetFlagErrorFunc(flagError)
+	pf := root.PersistentFlags()
+	a.logLevel, a.logFormat = "info", "text"
+	a.setting(pf, text(&a.logLevel, oneOf("debug", "info", "warn", "error")), "log-level", "TXBOX_LOG_LEVEL", "least severe log level written: debug, info, warn or error")
+	a.setting(pf, text(&a.logFormat, oneOf("text", "json")), "log-format", "TXBOX_LOG_FORMAT", "log format on standard error: text or json")
+	root.AddCommand(
+		a.migrateCommand(), a.relayCommand(), a.dlqCommand(), a.retentionCommand(), a.statusCommand(),
+		a.versionCommand(),
+	)
+	return root
+}
+
+// usageArgs makes an argument check's error a usage error.
+func usageArgs(check cobra.PositionalArgs) cobra.PositionalArgs {
+	return func(cmd *cobra.Command, args []string) error {
+		if err := check(cmd, args); err != nil {
+			return usagef("%v", err)
 		}
 		return nil
 	}
-	for _, c := range commands {
-		if c.name == args[0] {
-			return c.run(ctx, args[1:], stdout)
+}
+
+// needsSubcommand is the RunE of a command that only groups others.
+func needsSubcommand(cmd *cobra.Command, _ []string) error {
+	var names []string
+	for _, c := range cmd.Commands() {
+		if c.IsAvailableCommand() {
+			names = append(names, c.Name())
 		}
 	}
-	usage(stderr)
-	return fmt.Errorf("%w: unknown command %q", errUsage, args[0])
+	return usagef("%s needs a subcommand: %s", cmd.CommandPath(), strings.Join(names, ", "))
 }
 
-func usage(w io.Writer) {
-	fmt.Fprintln(w, "Usage: txbox <command> [flags]\n\nCommands:")
-	for _, c := range commands {
-		fmt.Fprintf(w, "  %-10s %s\n", c.name, c.summary)
+func (a *app) setUpLogging() error {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(a.logLevel)); err != nil {
+		return err // unreachable: the flag accepts only valid levels
 	}
-	fmt.Fprintln(w, "\nRun 'txbox <command> --help' for its flags.")
-}
-
-// flags is a FlagSet whose flags can fall back to environment variables.
-type flags struct {
-	*flag.FlagSet
-	env    map[string]string // flag name → environment variable
-	envErr error             // the first environment variable that did not parse
-}
-
-func newFlags(name, usageLine string) *flags {
-	fs := flag.NewFlagSet(name, flag.ContinueOnError)
-	f := &flags{FlagSet: fs, env: map[string]string{}}
-	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: txbox %s\n\nFlags:\n", usageLine)
-		fs.PrintDefaults()
-	}
-	return f
-}
-
-// stringEnv defines a string flag whose default comes from envVar when that is set.
-func (f *flags) stringEnv(p *string, name, envVar, def, usage string) {
-	if v := os.Getenv(envVar); v != "" {
-		def = v
-	}
-	f.env[name] = envVar
-	f.StringVar(p, name, def, usage+" (env "+envVar+")")
-}
-
-// database defines --database-url and --schema, which every command that talks to PostgreSQL has.
-func (f *flags) database(dsn, schema *string) {
-	f.stringEnv(dsn, "database-url", "TXBOX_DATABASE_URL", "", "PostgreSQL connection string (the password may come from PGPASSWORD)")
-	f.stringEnv(schema, "schema", "TXBOX_SCHEMA", sqlname.DefaultSchema, "schema holding txbox's tables (migrate up creates it if missing)")
-}
-
-// varEnv defines a flag of any type whose default comes from envVar when that is set.
-func (f *flags) varEnv(v flag.Value, name, envVar, usage string) {
-	if s := os.Getenv(envVar); s != "" {
-		if err := v.Set(s); err != nil && f.envErr == nil {
-			f.envErr = fmt.Errorf("%w: %s=%q: %w", errUsage, envVar, s, err)
-		}
-	}
-	f.env[name] = envVar
-	f.Var(v, name, usage+" (env "+envVar+")")
-}
-
-// parse parses args; a parse error is a usage error.
-func (f *flags) parse(args []string) error {
-	if f.envErr != nil {
-		return f.envErr
-	}
-	if err := f.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
-		return fmt.Errorf("%w: %w", errUsage, err)
+	opts := &slog.HandlerOptions{Level: level}
+	if a.logFormat == "json" {
+		a.log = slog.New(slog.NewJSONHandler(a.stderr, opts))
+	} else {
+		a.log = slog.New(slog.NewTextHandler(a.stderr, opts))
 	}
 	return nil
 }
 
-// required reports a missing setting by its flag and its environment variable.
-func (f *flags) required(name, value string) error {
-	if value != "" {
-		return nil
+// logStart writes the one start line of a command: every flag's effective value, secrets
+// redacted, plus what the command resolved itself.
+func (a *app) logStart(cmd *cobra.Command, extra ...any) {
+	var attrs []any
+	cmd.Flags().VisitAll(func(f *pflag.Flag) {
+		if f.Name != "help" {
+			attrs = append(attrs, slog.String(strings.ReplaceAll(f.Name, "-", "_"), display(f)))
+		}
+	})
+	a.log.Info(cmd.CommandPath()+" starting", append(attrs, extra...)...)
+}
+
+func (a *app) versionCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:   "version",
+		Short: "print txbox's version, source revision and Go version",
+		Args:  usageArgs(cobra.NoArgs),
+		RunE: func(*cobra.Command, []string) error {
+			info, ok := debug.ReadBuildInfo()
+			if !ok {
+				return errors.New("this binary carries no build information")
+			}
+			settings := map[string]string{}
+			for _, s := range info.Settings {
+				settings[s.Key] = s.Value
+			}
+			fmt.Fprintf(a.stdout, "txbox %s\n", info.Main.Version)
+			if rev := settings["vcs.revision"]; rev != "" {
+				if settings["vcs.modified"] == "true" {
+					rev += " (modified)"
+				}
+				fmt.Fprintf(a.stdout, "revision %s %s\n", rev, settings["vcs.time"])
+			}
+			fmt.Fprintf(a.stdout, "built with %s\n", info.GoVersion)
+			return nil
+		},
 	}
-	return fmt.Errorf("%w: --%s is required (or set %s)", errUsage, name, f.env[name])
 }

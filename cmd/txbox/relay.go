@@ -1,124 +1,130 @@
 package main
 
 import (
-	"context"
 	"errors"
-	"flag"
 	"fmt"
-	"io"
-	"log/slog"
 	"net"
 	"net/http"
-	"os"
-	"strconv"
-	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/spf13/cobra"
 
+	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
 )
 
-// relayFlags are the settings of `txbox relay`.
-type relayFlags struct {
-	dsn, schema, brokers, owner, txPrefix, metricsAddr, lagGroups string
-	shards, batchSize                                             intValue
-	leaseTTL, pollInterval                                        durationValue
-	transactional                                                 boolValue
-	stripeURL                                                     string
-	replayWindow, callTimeout                                     durationValue
+// relaySettings are the settings of `txbox relay`.
+type relaySettings struct {
+	brokers, owner, txPrefix, metricsAddr, lagGroups, stripeURL string
+	shards, batchSize                                           int
+	leaseTTL, pollInterval, replayWindow, callTimeout           time.Duration
+	transactional                                               bool
 }
 
-func runRelay(ctx context.Context, args []string, _ io.Writer) error {
-	f := newFlags("relay", "relay [flags]")
-	s := relayFlags{
-		shards: intValue(relay.DefaultShards), batchSize: intValue(relay.DefaultBatchSize),
-		leaseTTL: durationValue(relay.DefaultLeaseTTL), pollInterval: durationValue(relay.DefaultPollInterval),
-		transactional: true, replayWindow: durationValue(relay.DefaultReplayWindow),
+func (a *app) relayCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "relay",
+		Short: "publish outbox rows to Kafka and execute side-effect calls (until SIGINT or SIGTERM)",
+		Long: "Publishes outbox rows to Kafka and, when " + relay.APIKeyEnvVar + " is set, executes side-effect calls,\n" +
+			"under per-shard leases. Stops gracefully on SIGINT or SIGTERM. The Stripe key has no flag on\n" +
+			"purpose: flags show in ps and shell history.",
+		Args: usageArgs(cobra.NoArgs),
 	}
-	f.database(&s.dsn, &s.schema)
-	f.stringEnv(&s.brokers, "kafka-brokers", "TXBOX_KAFKA_BROKERS", "", "comma-separated Kafka brokers")
-	f.stringEnv(&s.owner, "owner", "TXBOX_RELAY_OWNER", "", "unique name of this relay in the lease table (default host-pid-random)")
-	f.stringEnv(&s.txPrefix, "transactional-id-prefix", "TXBOX_TRANSACTIONAL_ID_PREFIX", "txbox", "prefix of each shard's Kafka transactional.id; unique per outbox on a cluster")
-	f.stringEnv(&s.metricsAddr, "metrics-addr", "TXBOX_METRICS_ADDR", "127.0.0.1:9464", "address serving /metrics; empty disables it")
-	f.stringEnv(&s.lagGroups, "lag-groups", "TXBOX_LAG_GROUPS", "", "comma-separated consumer groups whose lag is exported as txbox_consumer_lag_messages")
-	f.varEnv(&s.shards, "shards", "TXBOX_SHARDS", "number of shard leases; must divide 256 and be the same on every relay")
-	f.varEnv(&s.batchSize, "batch-size", "TXBOX_BATCH_SIZE", "rows published per batch (one Kafka transaction)")
-	f.varEnv(&s.leaseTTL, "lease-ttl", "TXBOX_LEASE_TTL", "lease lifetime; a dead relay's shards move within about this long")
-	f.varEnv(&s.pollInterval, "poll-interval", "TXBOX_POLL_INTERVAL", "idle wait between looks for new rows (publish latency at low load)")
-	f.varEnv(&s.transactional, "transactional", "TXBOX_TRANSACTIONAL", "publish each batch as a Kafka transaction, fencing relays that lost their lease; false = idempotent producer only")
-	// The Stripe key has no flag on purpose: flags show in ps and shell history.
-	f.stringEnv(&s.stripeURL, "stripe-base-url", "TXBOX_STRIPE_BASE_URL", relay.DefaultStripeURL, "Stripe API address for side-effect calls, which run when "+relay.APIKeyEnvVar+" is set")
-	f.varEnv(&s.replayWindow, "call-replay-window", "TXBOX_CALL_REPLAY_WINDOW", "oldest first attempt a call may have when sent; older calls go to the DLQ for reconciliation (below 24h)")
-	f.varEnv(&s.callTimeout, "call-timeout", "TXBOX_CALL_TIMEOUT", "timeout of one side-effect request (default two thirds of --lease-ttl)")
-	if err := f.parse(args); err != nil {
-		return err
+	d := a.databaseFlags(cmd)
+	s := relaySettings{
+		txPrefix: "txbox", metricsAddr: "127.0.0.1:9464", stripeURL: relay.DefaultStripeURL,
+		shards: relay.DefaultShards, batchSize: relay.DefaultBatchSize, transactional: true,
+		leaseTTL: relay.DefaultLeaseTTL, pollInterval: relay.DefaultPollInterval, replayWindow: relay.DefaultReplayWindow,
 	}
-	if f.NArg() > 0 {
-		return fmt.Errorf("%w: relay takes no arguments, got %q", errUsage, f.Args())
-	}
-	if err := f.required("database-url", s.dsn); err != nil {
-		return err
-	}
-	if err := f.required("kafka-brokers", s.brokers); err != nil {
-		return err
-	}
+	fs := cmd.Flags()
+	f := a.setting(fs, text(&s.brokers, list(hostPort(false))), "kafka-brokers", "TXBOX_KAFKA_BROKERS", "comma-separated Kafka brokers, host:port")
+	annotate(f, annRequired, "true")
+	annotate(f, annField, "KafkaConfig.Brokers")
+	f = a.setting(fs, text(&s.owner, nonEmpty), "owner", "TXBOX_RELAY_OWNER", "unique name of this relay in the lease table (default host-pid-random)")
+	annotate(f, annField, "Config.Owner")
+	a.setting(fs, text(&s.txPrefix, nonEmpty), "transactional-id-prefix", "TXBOX_TRANSACTIONAL_ID_PREFIX", "prefix of each shard's Kafka transactional.id; unique per outbox on a cluster")
+	a.setting(fs, text(&s.metricsAddr, hostPort(true)), "metrics-addr", "TXBOX_METRICS_ADDR", "address serving /metrics; empty disables it")
+	a.setting(fs, text(&s.lagGroups, list(nonEmpty)), "lag-groups", "TXBOX_LAG_GROUPS", "comma-separated consumer groups whose lag is exported as txbox_consumer_lag_messages")
+	f = a.setting(fs, shardsValue(&s.shards, outbox.Slots), "shards", "TXBOX_SHARDS", "number of shard leases; must divide 256 and be the same on every relay")
+	annotate(f, annField, "Config.Shards")
+	f = a.setting(fs, intIn(&s.batchSize, 1, 10000), "batch-size", "TXBOX_BATCH_SIZE", "rows published per batch (one Kafka transaction)")
+	annotate(f, annField, "Config.BatchSize")
+	f = a.setting(fs, durationIn(&s.leaseTTL, time.Second, 10*time.Minute), "lease-ttl", "TXBOX_LEASE_TTL", "lease lifetime; a dead relay's shards move within about this long")
+	annotate(f, annField, "Config.LeaseTTL")
+	f = a.setting(fs, durationIn(&s.pollInterval, time.Millisecond, time.Minute), "poll-interval", "TXBOX_POLL_INTERVAL", "idle wait between looks for new rows (publish latency at low load)")
+	annotate(f, annField, "Config.PollInterval")
+	a.setting(fs, boolValue(&s.transactional), "transactional", "TXBOX_TRANSACTIONAL", "publish each batch as a Kafka transaction, fencing relays that lost their lease; false = idempotent producer only").NoOptDefVal = "true"
+	f = a.setting(fs, text(&s.stripeURL, httpURL), "stripe-base-url", "TXBOX_STRIPE_BASE_URL", "Stripe API address for side-effect calls, which run when "+relay.APIKeyEnvVar+" is set")
+	annotate(f, annField, "Config.Calls: BaseURL")
+	f = a.setting(fs, durationIn(&s.replayWindow, time.Minute, 24*time.Hour-time.Minute), "call-replay-window", "TXBOX_CALL_REPLAY_WINDOW", "oldest first attempt a call may have when sent; older calls go to the DLQ for reconciliation (below 24h)")
+	annotate(f, annField, "Config.Calls: ReplayWindow")
+	f = a.setting(fs, durationIn(&s.callTimeout, 100*time.Millisecond, 10*time.Minute), "call-timeout", "TXBOX_CALL_TIMEOUT", "timeout of one side-effect request, at most --lease-ttl (default two thirds of --lease-ttl)")
+	annotate(f, annField, "Config.Calls: Timeout")
 
-	sink, err := relay.NewKafkaSink(relay.KafkaConfig{
-		Brokers:               strings.Split(s.brokers, ","),
-		Transactional:         (*bool)(&s.transactional),
-		TransactionalIDPrefix: s.txPrefix,
-	})
-	if err != nil {
-		return fmt.Errorf("%w: %w", errUsage, err)
-	}
-	pool, err := pgxpool.New(ctx, s.dsn)
-	if err != nil {
-		return fmt.Errorf("%w: --database-url: %w", errUsage, err)
-	}
-	defer pool.Close()
-
-	var calls *relay.CallConfig
-	if os.Getenv(relay.APIKeyEnvVar) != "" {
-		calls = &relay.CallConfig{BaseURL: s.stripeURL, ReplayWindow: time.Duration(s.replayWindow), Timeout: time.Duration(s.callTimeout)}
-	} else {
-		slog.Info("side-effect calls are not executed: " + relay.APIKeyEnvVar + " is not set")
-	}
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	r, err := relay.New(relay.Config{
-		DB: pool, Sink: sink, Schema: s.schema, Owner: s.owner,
-		Shards: int(s.shards), BatchSize: int(s.batchSize),
-		LeaseTTL: time.Duration(s.leaseTTL), PollInterval: time.Duration(s.pollInterval),
-		Calls: calls, Registerer: reg,
-	})
-	if err != nil {
-		return fmt.Errorf("%w: %w", errUsage, err)
-	}
-	if s.metricsAddr != "" {
-		stop, err := serveMetrics(s.metricsAddr, reg)
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		ctx := cmd.Context()
+		if s.callTimeout == 0 {
+			s.callTimeout = s.leaseTTL * 2 / 3
+		} else if s.callTimeout > s.leaseTTL {
+			return usagef("%s (%s) must not be longer than %s (%s): a graceful handover waits one lease TTL for the calls in flight",
+				refOf(cmd, "call-timeout"), formatDuration(s.callTimeout), refOf(cmd, "lease-ttl"), formatDuration(s.leaseTTL))
+		}
+		sink, err := relay.NewKafkaSink(relay.KafkaConfig{
+			Brokers: splitList(s.brokers), Transactional: &s.transactional, TransactionalIDPrefix: s.txPrefix,
+		})
+		if err != nil {
+			return usagef("%v", fieldNames(cmd, err))
+		}
+		var calls *relay.CallConfig
+		if key := a.getenv(relay.APIKeyEnvVar); key != "" {
+			calls = &relay.CallConfig{APIKey: key, BaseURL: s.stripeURL, ReplayWindow: s.replayWindow, Timeout: s.callTimeout}
+		}
+		reg := prometheus.NewRegistry()
+		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		cfg := relay.Config{
+			Sink: sink, Schema: d.schema, Owner: s.owner, Shards: s.shards, BatchSize: s.batchSize,
+			LeaseTTL: s.leaseTTL, PollInterval: s.pollInterval, Calls: calls, Logger: a.log, Registerer: reg,
+		}
+		pool, err := d.connect(ctx, a.log)
 		if err != nil {
 			return err
 		}
-		defer stop()
-	}
-	if s.lagGroups != "" {
-		mon, err := relay.NewLagMonitor(relay.LagConfig{
-			Brokers: strings.Split(s.brokers, ","), Groups: strings.Split(s.lagGroups, ","), Registerer: reg,
-		})
+		defer pool.Close()
+		cfg.DB = pool
+		r, err := relay.New(cfg)
 		if err != nil {
-			return fmt.Errorf("%w: --lag-groups: %w", errUsage, err)
+			return usagef("%v", fieldNames(cmd, err))
 		}
-		go func() { _ = mon.Run(ctx) }()
+		a.logStart(cmd, "owner", r.Owner(), "side_effect_calls", calls != nil)
+		if calls == nil {
+			a.log.Info("side-effect calls are not executed: " + relay.APIKeyEnvVar + " is not set")
+		}
+		if s.metricsAddr != "" {
+			stop, err := a.serveMetrics(s.metricsAddr, reg)
+			if err != nil {
+				return err
+			}
+			defer stop()
+		}
+		if s.lagGroups != "" {
+			mon, err := relay.NewLagMonitor(relay.LagConfig{
+				Brokers: splitList(s.brokers), Groups: splitList(s.lagGroups), Registerer: reg, Logger: a.log,
+			})
+			if err != nil {
+				return fmt.Errorf("%s: %w", refOf(cmd, "lag-groups"), err)
+			}
+			go func() { _ = mon.Run(ctx) }()
+		}
+		return fieldNames(cmd, r.Run(ctx))
 	}
-	return r.Run(ctx)
+	return cmd
 }
 
 // serveMetrics serves /metrics on addr until stop is called.
-func serveMetrics(addr string, reg *prometheus.Registry) (stop func(), err error) {
+func (a *app) serveMetrics(addr string, reg *prometheus.Registry) (stop func(), err error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("--metrics-addr %s: %w", addr, err)
@@ -128,48 +134,9 @@ func serveMetrics(addr string, reg *prometheus.Registry) (stop func(), err error
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			slog.Error("metrics server stopped", "error", err)
+			a.log.Error("metrics server stopped", "error", err)
 		}
 	}()
-	slog.Info("serving metrics", "addr", "http://"+ln.Addr().String()+"/metrics")
+	a.log.Info("serving metrics", "addr", "http://"+ln.Addr().String()+"/metrics")
 	return func() { _ = srv.Close() }, nil
 }
-
-type intValue int
-
-func (v *intValue) String() string { return strconv.Itoa(int(*v)) }
-func (v *intValue) Set(s string) error {
-	n, err := strconv.Atoi(s)
-	if err != nil {
-		return errors.New("not a whole number")
-	}
-	*v = intValue(n)
-	return nil
-}
-
-type durationValue time.Duration
-
-func (v *durationValue) String() string { return time.Duration(*v).String() }
-func (v *durationValue) Set(s string) error {
-	d, err := time.ParseDuration(s)
-	if err != nil {
-		return errors.New("not a duration such as 500ms or 10s")
-	}
-	*v = durationValue(d)
-	return nil
-}
-
-type boolValue bool
-
-func (v *boolValue) String() string   { return strconv.FormatBool(bool(*v)) }
-func (v *boolValue) IsBoolFlag() bool { return true }
-func (v *boolValue) Set(s string) error {
-	b, err := strconv.ParseBool(s)
-	if err != nil {
-		return errors.New("not true or false")
-	}
-	*v = boolValue(b)
-	return nil
-}
-
-var _ flag.Value = (*boolValue)(nil)

@@ -1,83 +1,84 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"io"
 	"text/tabwriter"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
 
 	"github.com/txbox/txbox/retention"
 )
 
-func runRetention(ctx context.Context, args []string, stdout io.Writer) error {
-	f := newFlags("retention", "retention --broker-retention AGE [flags]\n\n"+
-		"Deletes processed inbox rows, dead inbox rows whose letter was discarded, orphaned attempt\n"+
-		"counters and old call results, in small batches, then prints the tables' sizes. Runs once,\n"+
-		"or with --every until SIGINT or SIGTERM. Processed inbox rows are also kept for\n"+
-		"--inbox-retention before the oldest inbox letter in the DLQ, so a redrive stays a duplicate\n"+
-		"for the consumers that processed the message.")
+func (a *app) retentionCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "retention --broker-retention AGE [flags]",
+		Short: "delete inbox rows, attempt counters and call results txbox no longer needs",
+		Long: "Deletes processed inbox rows, dead inbox rows whose letter was discarded, orphaned attempt\n" +
+			"counters and old call results, in small batches, then prints the tables' sizes. Runs once,\n" +
+			"or with --every until SIGINT or SIGTERM. Processed inbox rows are also kept for\n" +
+			"--inbox-retention before the oldest inbox letter in the DLQ, so a redrive stays a duplicate\n" +
+			"for the consumers that processed the message.",
+		Args: usageArgs(cobra.NoArgs),
+	}
+	d := a.databaseFlags(cmd)
 	var (
-		dsn, schema                       string
-		broker, inbox, callResults, every ageValue
-		batch                             = intValue(retention.DefaultBatchSize)
+		broker, every time.Duration
+		inbox         = retention.DefaultInboxRetention
+		callResults   = retention.DefaultCallResultRetention
+		batch         = retention.DefaultBatchSize
 	)
-	inbox = ageValue(retention.DefaultInboxRetention)
-	callResults = ageValue(retention.DefaultCallResultRetention)
-	f.database(&dsn, &schema)
-	f.varEnv(&broker, "broker-retention", "TXBOX_BROKER_RETENTION",
-		"how long the broker may redeliver a message: for Kafka, the topics' retention.ms plus segment.ms, e.g. 14d (required)")
-	f.varEnv(&inbox, "inbox-retention", "TXBOX_INBOX_RETENTION", "how long processed messages are remembered; must be longer than --broker-retention")
-	f.varEnv(&callResults, "call-result-retention", "TXBOX_CALL_RESULT_RETENTION", "how long side-effect call results are kept")
-	f.varEnv(&batch, "batch-size", "TXBOX_RETENTION_BATCH_SIZE", "most rows one DELETE removes")
-	f.varEnv(&every, "every", "TXBOX_RETENTION_EVERY", "run a pass at this interval until stopped; 0 runs once")
-	if err := f.parse(args); err != nil {
-		return err
+	fs := cmd.Flags()
+	f := a.setting(fs, durationIn(&broker, time.Minute, maxAge), "broker-retention", "TXBOX_BROKER_RETENTION",
+		"how long the broker may redeliver a message: for Kafka, the topics' retention.ms plus segment.ms, e.g. 14d")
+	annotate(f, annRequired, "true")
+	annotate(f, annField, "Config.BrokerRetention")
+	f = a.setting(fs, durationIn(&inbox, time.Hour, maxAge), "inbox-retention", "TXBOX_INBOX_RETENTION", "how long processed messages are remembered; must be longer than --broker-retention")
+	annotate(f, annField, "Config.InboxRetention")
+	f = a.setting(fs, durationIn(&callResults, time.Hour, maxAge), "call-result-retention", "TXBOX_CALL_RESULT_RETENTION", "how long side-effect call results are kept")
+	annotate(f, annField, "Config.CallResultRetention")
+	f = a.setting(fs, intIn(&batch, 1, 100000), "batch-size", "TXBOX_RETENTION_BATCH_SIZE", "most rows one DELETE removes")
+	annotate(f, annField, "Config.BatchSize")
+	f = a.setting(fs, durationIn(&every, time.Minute, 30*24*time.Hour), "every", "TXBOX_RETENTION_EVERY", "run a pass at this interval until stopped (default: one pass)")
+	annotate(f, annField, "Config.Interval")
+
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		ctx := cmd.Context()
+		if inbox <= broker {
+			return usagef("%s (%s) must be longer than %s (%s): a message the broker redelivers after the inbox forgot it is processed twice",
+				refOf(cmd, "inbox-retention"), formatDuration(inbox), refOf(cmd, "broker-retention"), formatDuration(broker))
+		}
+		pool, err := d.connect(ctx, a.log)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		c, err := retention.New(retention.Config{
+			DB: pool, Schema: d.schema, BrokerRetention: broker, InboxRetention: inbox,
+			CallResultRetention: callResults, BatchSize: batch, Interval: every, Logger: a.log,
+		})
+		if err != nil {
+			return usagef("%v", fieldNames(cmd, err))
+		}
+		a.logStart(cmd)
+		if every > 0 {
+			return c.Run(ctx)
+		}
+		rep, err := c.RunOnce(ctx)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(a.stdout, "deleted %d processed and %d dead inbox row(s), %d attempt counter(s), %d call result(s) in %s\n",
+			rep.DoneDeleted, rep.DeadDeleted, rep.AttemptsDeleted, rep.CallResultsDeleted, rep.Duration.Round(time.Millisecond))
+		if rep.OldestLetterAge > 0 {
+			fmt.Fprintf(a.stdout, "processed inbox rows received since %s are kept: the oldest inbox letter in the DLQ is %s old\n",
+				rep.DoneCutoff.Format(time.RFC3339), formatAge(rep.OldestLetterAge))
+		}
+		fmt.Fprintln(a.stdout)
+		return printTableSizes(a.stdout, rep.Tables)
 	}
-	if f.NArg() > 0 {
-		return fmt.Errorf("%w: retention takes no arguments, got %q", errUsage, f.Args())
-	}
-	if err := f.required("database-url", dsn); err != nil {
-		return err
-	}
-	if broker <= 0 {
-		return fmt.Errorf("%w: --broker-retention is required (or set TXBOX_BROKER_RETENTION): how long the broker may redeliver a message "+
-			"(for Kafka, the topics' retention.ms plus segment.ms)", errUsage)
-	}
-	if inbox <= broker {
-		return fmt.Errorf("%w: --inbox-retention (%s) must be longer than --broker-retention (%s): "+
-			"a message the broker redelivers after the inbox forgot it is processed twice", errUsage, formatAge(time.Duration(inbox)), formatAge(time.Duration(broker)))
-	}
-	pool, err := pgxpool.New(ctx, dsn)
-	if err != nil {
-		return fmt.Errorf("%w: --database-url: %w", errUsage, err)
-	}
-	defer pool.Close()
-	c, err := retention.New(retention.Config{
-		DB: pool, Schema: schema,
-		BrokerRetention: time.Duration(broker), InboxRetention: time.Duration(inbox),
-		CallResultRetention: time.Duration(callResults), BatchSize: int(batch), Interval: time.Duration(every),
-	})
-	if err != nil {
-		return fmt.Errorf("%w: %w", errUsage, err)
-	}
-	if every > 0 {
-		return c.Run(ctx)
-	}
-	rep, err := c.RunOnce(ctx)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(stdout, "deleted %d processed and %d dead inbox row(s), %d attempt counter(s), %d call result(s) in %s\n",
-		rep.DoneDeleted, rep.DeadDeleted, rep.AttemptsDeleted, rep.CallResultsDeleted, rep.Duration.Round(time.Millisecond))
-	if rep.OldestLetterAge > 0 {
-		fmt.Fprintf(stdout, "processed inbox rows received since %s are kept: the oldest inbox letter in the DLQ is %s old\n",
-			rep.DoneCutoff.Format(time.RFC3339), formatAge(rep.OldestLetterAge))
-	}
-	fmt.Fprintln(stdout)
-	return printTableSizes(stdout, rep.Tables)
+	return cmd
 }
 
 func printTableSizes(w io.Writer, sizes []retention.TableSize) error {

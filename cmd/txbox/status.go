@@ -1,57 +1,48 @@
 package main
 
 import (
-	"context"
 	"fmt"
-	"io"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
 
 	"github.com/txbox/txbox/dlq"
-	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/retention"
 )
 
-func runStatus(ctx context.Context, args []string, stdout io.Writer) error {
-	f := newFlags("status", "status [flags]\n\nShows the dead-letter depth per source and the size of txbox's tables.")
-	var dsn, schema string
-	f.database(&dsn, &schema)
-	if err := f.parse(args); err != nil {
-		return err
+func (a *app) statusCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "show the dead-letter depth and the size of txbox's tables",
+		Args:  usageArgs(cobra.NoArgs),
 	}
-	if f.NArg() > 0 {
-		return fmt.Errorf("%w: status takes no arguments, got %q", errUsage, f.Args())
-	}
-	if err := f.required("database-url", dsn); err != nil {
-		return err
-	}
-	if _, err := sqlname.Schema(schema); err != nil {
-		return fmt.Errorf("%w: --schema: %w", errUsage, err)
-	}
-	pool, err := pgxpool.New(ctx, dsn)
-	if err != nil {
-		return fmt.Errorf("%w: --database-url: %w", errUsage, err)
-	}
-	defer pool.Close()
-
-	depths, err := dlq.Stats(ctx, pool, schema)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintln(stdout, "dead letters:")
-	for _, src := range []dlq.Source{dlq.SourceInbox, dlq.SourceRelay} {
-		d := depths[src]
-		fmt.Fprintf(stdout, "  %-6s %d", src, d.Count)
-		if d.Count > 0 {
-			fmt.Fprintf(stdout, ", oldest %s", formatAge(time.Duration(d.OldestAgeSeconds*float64(time.Second))))
+	d := a.databaseFlags(cmd)
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		ctx := cmd.Context()
+		pool, err := d.connect(ctx, a.log)
+		if err != nil {
+			return err
 		}
-		fmt.Fprintln(stdout)
+		defer pool.Close()
+		depths, err := dlq.Stats(ctx, pool, d.schema)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintln(a.stdout, "dead letters:")
+		for _, src := range []dlq.Source{dlq.SourceInbox, dlq.SourceRelay} {
+			n := depths[src]
+			fmt.Fprintf(a.stdout, "  %-6s %d", src, n.Count)
+			if n.Count > 0 {
+				fmt.Fprintf(a.stdout, ", oldest %s", formatAge(time.Duration(n.OldestAgeSeconds*float64(time.Second))))
+			}
+			fmt.Fprintln(a.stdout)
+		}
+		sizes, err := retention.TableSizes(ctx, pool, d.schema)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintln(a.stdout)
+		return printTableSizes(a.stdout, sizes)
 	}
-	sizes, err := retention.TableSizes(ctx, pool, schema)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintln(stdout)
-	return printTableSizes(stdout, sizes)
+	return cmd
 }

@@ -368,11 +368,8 @@ func setUpDatabase(ctx context.Context, dsn, schema string, fresh bool) (*pgxpoo
 		_, err = pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+quoted)
 	}
 	if err == nil {
-		// txbox's migrations create their tables in the first schema of the search_path.
-		conn := cfg.ConnConfig.Copy()
-		conn.RuntimeParams["search_path"] = schema
-		db := stdlib.OpenDB(*conn)
-		err = migrations.Up(ctx, db)
+		db := stdlib.OpenDBFromPool(pool)
+		_, err = migrations.Up(ctx, db, migrations.WithSchema(schema))
 		db.Close()
 	}
 	if err == nil {

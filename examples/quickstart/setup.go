@@ -35,9 +35,8 @@ func setUp(ctx context.Context, dsn string) (*pgxpool.Pool, error) {
 		CREATE TABLE orders (id text PRIMARY KEY, total bigint NOT NULL);
 		CREATE TABLE invoices (order_id text NOT NULL, amount bigint NOT NULL)`)
 	if err == nil {
-		// txbox's migrations create their tables in the first schema of the search_path.
-		db := stdlib.OpenDB(*cfg.ConnConfig)
-		err = migrations.Up(ctx, db)
+		db := stdlib.OpenDBFromPool(pool)
+		_, err = migrations.Up(ctx, db, migrations.WithSchema(schema))
 		db.Close()
 	}
 	if err != nil {

@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/txbox/txbox/internal/conformance"
 	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/outbox"
@@ -149,7 +150,7 @@ func (c *composition) restartRelay() error {
 // TestReconnect cannot pass whatever the pub/sub does (see TestRelayRestartsLoseNothingAndKeepKeyOrder).
 func (c *composition) restartCommand(t *testing.T) []string {
 	t.Helper()
-	if raceDetector {
+	if conformance.RaceDetector {
 		return nil
 	}
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

@@ -55,11 +55,8 @@ func Setup(appSQL string) (_ *Env, err error) {
 	if _, err := e.Pool.Exec(ctx, "CREATE SCHEMA "+Schema+"; "+appSQL); err != nil {
 		return nil, fmt.Errorf("exampletest: %w", err)
 	}
-	// txbox's migrations create their tables in the first schema of the search_path.
-	cfg := e.Pool.Config().ConnConfig.Copy()
-	cfg.RuntimeParams["search_path"] = Schema
-	db := stdlib.OpenDB(*cfg)
-	err = migrations.Up(ctx, db)
+	db := stdlib.OpenDBFromPool(e.Pool)
+	_, err = migrations.Up(ctx, db, migrations.WithSchema(Schema))
 	db.Close()
 	if err != nil {
 		return nil, fmt.Errorf("exampletest: %w", err)

@@ -6,15 +6,16 @@ package txtest
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"fmt"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib" // the database/sql driver goose migrates through
 
 	"github.com/txbox/txbox/internal/pgtest"
-	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/migrations"
 )
 
@@ -47,12 +48,12 @@ func NewIn(t testing.TB, url string) *Env {
 	_, _ = rand.Read(b)
 	schema := "txbox_t_" + hex.EncodeToString(b)
 
-	db, err := sqlname.OpenDB(ctx, url, schema)
+	db, err := sql.Open("pgx", url)
 	if err != nil {
 		t.Fatalf("txtest: %v", err)
 	}
 	defer db.Close()
-	if err := migrations.Up(ctx, db); err != nil {
+	if _, err := migrations.Up(ctx, db, migrations.WithSchema(schema)); err != nil {
 		t.Fatalf("txtest: migrate %s: %v", schema, err)
 	}
 

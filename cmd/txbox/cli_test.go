@@ -1,0 +1,468 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"fmt"
+	"net/url"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txbox/txbox/dlq"
+	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/internal/proctest"
+	"github.com/txbox/txbox/internal/txtest"
+)
+
+// result is what one txbox invocation did.
+type result struct {
+	code           int
+	stdout, stderr string
+}
+
+func (r result) String() string {
+	return fmt.Sprintf("exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.stdout, r.stderr)
+}
+
+// cliEnv is a migrated schema and the environment txbox runs with: TXBOX_DATABASE_URL carries a
+// password (the test server trusts every connection, so any password works), and no output of any
+// invocation may contain it.
+type cliEnv struct {
+	*txtest.Env
+	password string
+	vars     map[string]string
+}
+
+func newCLIEnv(t *testing.T) *cliEnv {
+	t.Helper()
+	env := txtest.New(t)
+	pw := "pw-" + rand.Text()
+	return &cliEnv{Env: env, password: pw, vars: map[string]string{
+		"TXBOX_DATABASE_URL": withPassword(t, env.URL, pw),
+		"TXBOX_SCHEMA":       env.Schema,
+	}}
+}
+
+func withPassword(t *testing.T, dsn, pw string) string {
+	t.Helper()
+	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+		u, err := url.Parse(dsn)
+		require.NoError(t, err)
+		u.User = url.UserPassword(u.User.Username(), pw)
+		return u.String()
+	}
+	return dsn + " password=" + pw
+}
+
+// txbox runs txbox in process with the environment's variables plus extra ("" unsets one) and
+// checks that the password appears in no output.
+func (e *cliEnv) txbox(t *testing.T, extra map[string]string, args ...string) result {
+	t.Helper()
+	r := e.exec(context.Background(), nil, extra, args...)
+	e.requireNoSecret(t, r)
+	return r
+}
+
+// exec runs txbox, writing its standard error to stderr as well when that is given. It may run
+// on any goroutine: it asserts nothing.
+func (e *cliEnv) exec(ctx context.Context, stderr *proctest.Buffer, extra map[string]string, args ...string) result {
+	vars := map[string]string{}
+	for k, v := range e.vars {
+		vars[k] = v
+	}
+	for k, v := range extra {
+		vars[k] = v
+	}
+	if stderr == nil {
+		stderr = &proctest.Buffer{}
+	}
+	var stdout proctest.Buffer
+	code := invoke(ctx, args, vars, &stdout, stderr)
+	return result{code: code, stdout: stdout.String(), stderr: stderr.String()}
+}
+
+func (e *cliEnv) requireNoSecret(t *testing.T, r result) {
+	t.Helper()
+	require.NotContains(t, r.stdout, e.password, "the password leaked:\n%s", r)
+	require.NotContains(t, r.stderr, e.password, "the password leaked:\n%s", r)
+}
+
+// snapshot describes the test schema's tables and their row counts, to show a command changed
+// nothing.
+func (e *cliEnv) snapshot(t *testing.T) string {
+	t.Helper()
+	rows, err := e.Pool.Query(context.Background(), `
+		SELECT table_name || '=' || (xpath('/row/c/text()', query_to_xml(format('SELECT count(*) AS c FROM %I.%I', table_schema, table_name), false, true, '')))[1]::text
+		FROM information_schema.tables WHERE table_schema = $1 ORDER BY 1`, e.Schema)
+	require.NoError(t, err)
+	tables, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return strings.Join(tables, " ")
+}
+
+func (e *cliEnv) schemaExists(t *testing.T, schema string) bool {
+	t.Helper()
+	var ok bool
+	require.NoError(t, e.Pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&ok))
+	return ok
+}
+
+func (e *cliEnv) tables(t *testing.T, schema string) []string {
+	t.Helper()
+	rows, err := e.Pool.Query(context.Background(), `SELECT table_name FROM information_schema.tables WHERE table_schema = $1 ORDER BY 1`, schema)
+	require.NoError(t, err)
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return names
+}
+
+func (e *cliEnv) dropSchemaLater(t *testing.T, schema string) {
+	t.Cleanup(func() {
+		_, err := e.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+		if err != nil {
+			t.Logf("drop %s: %v", schema, err)
+		}
+	})
+}
+
+// Every value txbox cannot use is a usage error (exit 2) that names the flag and its environment
+// variable, shows no secret, and changes nothing in the database.
+func TestUsageErrors(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	typo := e.Schema + "_typo"
+	relay := []string{"relay", "--kafka-brokers", "127.0.0.1:1", "--metrics-addr", ""}
+	retention := []string{"retention", "--broker-retention", "7d"}
+	for _, tc := range []struct {
+		args []string
+		env  map[string]string
+		want []string // in stderr
+	}{
+		// Commands and arguments.
+		{args: nil, want: []string{"no command given"}},
+		{args: []string{"frobnicate"}, want: []string{`unknown command "frobnicate"`}},
+		{args: []string{"migrate"}, want: []string{"txbox migrate needs a subcommand: down, status, up"}},
+		{args: []string{"migrate", "sideways"}, want: []string{`unknown command "sideways" for "txbox migrate"`}},
+		{args: []string{"dlq"}, want: []string{"txbox dlq needs a subcommand"}},
+		{args: []string{"dlq", "purge"}, want: []string{`unknown command "purge"`}},
+		{args: []string{"dlq", "list", "extra"}, want: []string{`unknown command "extra"`}},
+		{args: []string{"dlq", "show"}, want: []string{"accepts 1 arg(s), received 0"}},
+		{args: []string{"dlq", "show", "abc"}, want: []string{`"abc" is not a letter id`}},
+		{args: []string{"relay", "--shard", "3"}, want: []string{"unknown flag: --shard"}},
+		{args: []string{"version", "extra"}, want: []string{`unknown command "extra"`}},
+
+		// Connection and schema.
+		{args: []string{"status"}, env: map[string]string{"TXBOX_DATABASE_URL": ""}, want: []string{"--database-url / TXBOX_DATABASE_URL is required"}},
+		{args: []string{"status", "--database-url", "postgres://app:hunter2@db:notaport/app"}, want: []string{"--database-url / TXBOX_DATABASE_URL is not a valid PostgreSQL connection string"}},
+		{args: []string{"migrate", "up", "--schema", "information_schema"}, want: []string{"--schema / TXBOX_SCHEMA", "system schemas"}},
+		{args: []string{"migrate", "up", "--schema", "pg_catalog"}, want: []string{"--schema / TXBOX_SCHEMA", "system schemas"}},
+		{args: []string{"migrate", "up"}, env: map[string]string{"TXBOX_SCHEMA": "pg_toast"}, want: []string{"--schema / TXBOX_SCHEMA", "system schemas"}},
+		{args: []string{"dlq", "list", "--schema", "Bad-Schema"}, want: []string{"--schema / TXBOX_SCHEMA", "not a valid name"}},
+		{args: []string{"migrate", "status", "--schema", typo}, want: []string{"--schema / TXBOX_SCHEMA", "does not exist"}},
+		{args: []string{"migrate", "down", "--schema", typo}, want: []string{"--schema / TXBOX_SCHEMA", "does not exist"}},
+		{args: []string{"migrate", "down", "--force", "--schema", typo}, want: []string{"--schema / TXBOX_SCHEMA", "does not exist"}},
+		{args: []string{"dlq", "list", "--schema", typo}, want: []string{"--schema / TXBOX_SCHEMA", "does not exist"}},
+		{args: []string{"dlq", "discard", "--all", "--schema", typo}, want: []string{"--schema / TXBOX_SCHEMA", "does not exist"}},
+		{args: []string{"status", "--schema", typo}, want: []string{"--schema / TXBOX_SCHEMA", "does not exist"}},
+		{args: append(retention, "--schema", typo), want: []string{"--schema / TXBOX_SCHEMA", "does not exist"}},
+		{args: []string{"status", "--schema", "public"}, want: []string{"--schema / TXBOX_SCHEMA", `txbox is not installed in schema "public"`}},
+
+		// Logging.
+		{args: []string{"status", "--log-level", "verbose"}, want: []string{`--log-level / TXBOX_LOG_LEVEL must be one of debug, info, warn, error, got "verbose"`}},
+		{args: []string{"status"}, env: map[string]string{"TXBOX_LOG_FORMAT": "xml"}, want: []string{"--log-format / TXBOX_LOG_FORMAT must be one of text, json"}},
+
+		// relay.
+		{args: []string{"relay"}, want: []string{"--kafka-brokers / TXBOX_KAFKA_BROKERS is required"}},
+		{args: []string{"relay", "--kafka-brokers", "k1:9092,"}, want: []string{"--kafka-brokers / TXBOX_KAFKA_BROKERS must be a comma-separated list"}},
+		{args: []string{"relay", "--kafka-brokers", "k1"}, want: []string{`--kafka-brokers / TXBOX_KAFKA_BROKERS must be host:port, got "k1"`}},
+		{args: append(relay, "--shards", "7"), want: []string{"--shards / TXBOX_SHARDS must divide 256 (1, 2, 4, ... 256), got 7"}},
+		{args: relay, env: map[string]string{"TXBOX_SHARDS": "7"}, want: []string{"--shards / TXBOX_SHARDS must divide 256 (1, 2, 4, ... 256), got 7"}},
+		{args: append(relay, "--shards", "0"), want: []string{"--shards / TXBOX_SHARDS must divide 256"}},
+		{args: append(relay, "--shards", "512"), want: []string{"--shards / TXBOX_SHARDS must divide 256"}},
+		{args: append(relay, "--batch-size", "0"), want: []string{`--batch-size / TXBOX_BATCH_SIZE must be a whole number from 1 to 10000, got "0"`}},
+		{args: append(relay, "--lease-ttl", "100ms"), want: []string{`--lease-ttl / TXBOX_LEASE_TTL must be a duration from 1s to 10m`}},
+		{args: append(relay, "--lease-ttl", "0"), want: []string{`--lease-ttl / TXBOX_LEASE_TTL must be a duration`}},
+		{args: append(relay, "--poll-interval", "0"), want: []string{`--poll-interval / TXBOX_POLL_INTERVAL must be a duration from 1ms to 1m`}},
+		{args: relay, env: map[string]string{"TXBOX_POLL_INTERVAL": "soon"}, want: []string{`--poll-interval / TXBOX_POLL_INTERVAL must be a duration from 1ms to 1m (such as 90s, 15m, 36h, 7d), got "soon"`}},
+		{args: append(relay, "--transactional=maybe"), want: []string{`--transactional / TXBOX_TRANSACTIONAL must be true or false, got "maybe"`}},
+		{args: append(relay, "--owner", " "), want: []string{"--owner / TXBOX_RELAY_OWNER must not be empty"}},
+		{args: append(relay, "--transactional-id-prefix", ""), want: []string{"--transactional-id-prefix / TXBOX_TRANSACTIONAL_ID_PREFIX must not be empty"}},
+		{args: append(relay, "--metrics-addr", "9464"), want: []string{`--metrics-addr / TXBOX_METRICS_ADDR must be host:port, got "9464"`}},
+		{args: append(relay, "--stripe-base-url", "ftp://stripe"), want: []string{"--stripe-base-url / TXBOX_STRIPE_BASE_URL must be an http(s) URL"}},
+		{args: append(relay, "--call-replay-window", "24h"), want: []string{"--call-replay-window / TXBOX_CALL_REPLAY_WINDOW must be a duration from 1m to 23h59m"}},
+		{args: append(relay, "--call-timeout", "1m"), want: []string{"--call-timeout / TXBOX_CALL_TIMEOUT (1m) must not be longer than --lease-ttl / TXBOX_LEASE_TTL (10s)"}},
+		{args: append(relay, "--call-timeout", "1h"), want: []string{"--call-timeout / TXBOX_CALL_TIMEOUT must be a duration from 100ms to 10m"}},
+		{args: append(relay, "--call-timeout", "0"), want: []string{"--call-timeout / TXBOX_CALL_TIMEOUT must be a duration from 100ms"}},
+
+		// retention.
+		{args: []string{"retention"}, want: []string{"--broker-retention / TXBOX_BROKER_RETENTION is required"}},
+		{args: []string{"retention", "--broker-retention", "0"}, want: []string{"--broker-retention / TXBOX_BROKER_RETENTION must be a duration from 1m to 3650d"}},
+		{args: append(retention, "--every", "1ns"), want: []string{`--every / TXBOX_RETENTION_EVERY must be a duration from 1m to 30d (such as 90s, 15m, 36h, 7d), got "1ns"`}},
+		{args: retention, env: map[string]string{"TXBOX_RETENTION_EVERY": "1ns"}, want: []string{"--every / TXBOX_RETENTION_EVERY must be a duration from 1m"}},
+		{args: append(retention, "--every", "0"), want: []string{"--every / TXBOX_RETENTION_EVERY must be a duration from 1m"}},
+		{args: append(retention, "--inbox-retention", "213506d"), want: []string{`--inbox-retention / TXBOX_INBOX_RETENTION must be a duration from 1h to 3650d (such as 90s, 15m, 36h, 7d), got "213506d"`}},
+		{args: append(retention, "--inbox-retention", "106752d"), want: []string{"--inbox-retention / TXBOX_INBOX_RETENTION must be a duration"}},
+		{args: []string{"retention", "--broker-retention", "15d"}, want: []string{"--inbox-retention / TXBOX_INBOX_RETENTION (15d) must be longer than --broker-retention / TXBOX_BROKER_RETENTION (15d)"}},
+		{args: append(retention, "--batch-size", "0"), want: []string{"--batch-size / TXBOX_RETENTION_BATCH_SIZE must be a whole number from 1 to 100000"}},
+		{args: append(retention, "--call-result-retention", "-1h"), want: []string{"--call-result-retention / TXBOX_CALL_RESULT_RETENTION must be a duration"}},
+
+		// dlq.
+		{args: []string{"dlq", "list", "--source", "kafka"}, want: []string{`--source must be one of inbox, relay, got "kafka"`}},
+		{args: []string{"dlq", "list", "--kind", "email"}, want: []string{`--kind must be one of message, call, got "email"`}},
+		{args: []string{"dlq", "list", "--older-than", "yesterday"}, want: []string{"--older-than must be a duration"}},
+		{args: []string{"dlq", "list", "--id", "x"}, want: []string{`--id must be letter ids, got "x"`}},
+		{args: []string{"dlq", "list", "--limit", "-1"}, want: []string{"--limit must be a whole number from 0"}},
+		{args: []string{"dlq", "discard"}, want: []string{"txbox dlq discard needs a filter", "--all"}},
+		{args: []string{"dlq", "discard", "--limit", "2"}, want: []string{"needs a filter"}},
+		{args: []string{"dlq", "redrive"}, want: []string{"txbox dlq redrive needs a filter"}},
+		{args: []string{"dlq", "redrive", "--all", "--rate", "Inf"}, want: []string{`--rate / TXBOX_REDRIVE_RATE must be a number from 0.001 to 100000, got "Inf"`}},
+		{args: []string{"dlq", "redrive", "--all", "--rate", "1e309"}, want: []string{"--rate / TXBOX_REDRIVE_RATE must be a number"}},
+		{args: []string{"dlq", "redrive", "--all", "--rate", "NaN"}, want: []string{"--rate / TXBOX_REDRIVE_RATE must be a number"}},
+		{args: []string{"dlq", "redrive", "--all", "--rate", "0"}, want: []string{"--rate / TXBOX_REDRIVE_RATE must be a number"}},
+		{args: []string{"dlq", "redrive", "--all"}, env: map[string]string{"TXBOX_REDRIVE_RATE": "-5"}, want: []string{"--rate / TXBOX_REDRIVE_RATE must be a number"}},
+		{args: []string{"dlq", "redrive", "--all", "--burst", "0"}, want: []string{"--burst / TXBOX_REDRIVE_BURST must be a whole number from 1"}},
+		{args: []string{"dlq", "redrive", "--all", "--batch-size", "0"}, want: []string{"--batch-size / TXBOX_REDRIVE_BATCH_SIZE must be a whole number from 1"}},
+		{args: []string{"dlq", "redrive", "--all", "--burst", "200", "--batch-size", "100"}, want: []string{"--burst / TXBOX_REDRIVE_BURST (200) must not be larger than --batch-size / TXBOX_REDRIVE_BATCH_SIZE (100)"}},
+	} {
+		name := strings.Join(tc.args, " ")
+		for k, v := range tc.env {
+			name += " " + k + "=" + v
+		}
+		t.Run(name, func(t *testing.T) {
+			before := e.snapshot(t)
+			r := e.txbox(t, tc.env, tc.args...)
+			require.Equal(t, 2, r.code, "%s", r)
+			for _, want := range tc.want {
+				require.Contains(t, r.stderr, want, "%s", r)
+			}
+			require.Empty(t, r.stdout)
+			require.Equal(t, before, e.snapshot(t), "the database changed")
+		})
+	}
+	require.False(t, e.schemaExists(t, typo), "a mistyped schema was created")
+}
+
+// Help never shows a secret: the database URL's flag says only that its variable is set.
+func TestHelpShowsNoSecret(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	for _, args := range [][]string{
+		{"--help"}, {"help", "relay"}, {"relay", "--help"}, {"relay", "-h"}, {"migrate", "up", "--help"}, {"migrate", "--help"},
+		{"dlq", "show", "--help"}, {"dlq", "redrive", "--help"}, {"retention", "--help"}, {"status", "--help"},
+	} {
+		r := e.txbox(t, nil, args...)
+		require.Zero(t, r.code, "%v\n%s", args, r)
+		require.Contains(t, r.stdout, "Usage:", args)
+	}
+	r := e.txbox(t, nil, "relay", "--help")
+	require.Contains(t, r.stdout, "[$TXBOX_DATABASE_URL is set]")
+	require.Contains(t, r.stdout, "[$TXBOX_SHARDS]")
+	require.Contains(t, r.stdout, "(default 25ms)")
+	require.NotContains(t, r.stdout, "STRIPE_API_KEY]", "the Stripe key has no flag")
+}
+
+func TestVersionAndCompletion(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	r := e.txbox(t, nil, "version")
+	require.Zero(t, r.code, r)
+	require.Regexp(t, `^txbox \S+\n(revision \S+.*\n)?built with go1\.\d+`, r.stdout)
+	for _, shell := range []string{"bash", "zsh", "fish"} {
+		r := e.txbox(t, nil, "completion", shell)
+		require.Zero(t, r.code, r)
+		require.Contains(t, r.stdout, "txbox", shell)
+		require.Greater(t, len(r.stdout), 1000, shell)
+	}
+}
+
+// The README's first command: flags after the subcommand, into a schema that does not exist yet.
+func TestMigrateUpIntoANewSchema(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	schema := e.Schema + "_new"
+	e.dropSchemaLater(t, schema)
+	r := e.txbox(t, map[string]string{"TXBOX_DATABASE_URL": "", "TXBOX_SCHEMA": ""},
+		"migrate", "up", "--database-url", e.vars["TXBOX_DATABASE_URL"], "--schema", schema)
+	require.Zero(t, r.code, r)
+	require.Contains(t, r.stdout, "applied 00001_txbox.sql")
+	require.Contains(t, e.tables(t, schema), "txbox_outbox")
+
+	r = e.txbox(t, map[string]string{"TXBOX_SCHEMA": schema}, "migrate", "up")
+	require.Zero(t, r.code, r)
+	require.Equal(t, "schema "+schema+" is up to date\n", r.stdout)
+
+	r = e.txbox(t, nil, "migrate", "status", "--schema", schema)
+	require.Zero(t, r.code, r)
+	require.Regexp(t, `00001_txbox.sql\s+applied \d{4}-`, r.stdout)
+}
+
+// Several `txbox migrate up` at once on a schema that does not exist yet all succeed.
+func TestConcurrentMigrateUp(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	for round := range 3 {
+		schema := fmt.Sprintf("%s_c%d", e.Schema, round)
+		e.dropSchemaLater(t, schema)
+		results := make([]result, 4)
+		var wg sync.WaitGroup
+		for i := range results {
+			wg.Go(func() { results[i] = e.exec(context.Background(), nil, nil, "migrate", "up", "--schema", schema) })
+		}
+		wg.Wait()
+		for _, r := range results {
+			e.requireNoSecret(t, r)
+			require.Zero(t, r.code, "round %d: %s", round, r)
+		}
+		require.Contains(t, e.tables(t, schema), "txbox_outbox")
+	}
+}
+
+// migrate down refuses to drop messages nobody has published or looked at, unless --force.
+func TestMigrateDownRefusesWhileMessagesRemain(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	ctx := context.Background()
+	_, err := e.Pool.Exec(ctx, `INSERT INTO `+e.Q("txbox_outbox")+` (kind, slot, topic, partition_key, uuid, payload) VALUES ('message', 0, 't', 'k', 'u-1', '')`)
+	require.NoError(t, err)
+	_, err = e.Pool.Exec(ctx, `INSERT INTO `+e.Q("txbox_dlq")+` (source, kind, topic, uuid, payload, reason) SELECT 'relay', 'message', 't', 'u-' || g, '', 'r' FROM generate_series(1, 3) g`)
+	require.NoError(t, err)
+	before := e.snapshot(t)
+
+	r := e.txbox(t, nil, "migrate", "down")
+	require.Equal(t, 1, r.code, r)
+	require.Contains(t, r.stderr, "refusing to roll back schema "+e.Schema+": it holds 1 outbox row(s) not yet published and 3 dead letter(s)")
+	require.Contains(t, r.stderr, "--force")
+	require.Equal(t, before, e.snapshot(t), "nothing was dropped")
+
+	r = e.txbox(t, nil, "migrate", "down", "--force")
+	require.Zero(t, r.code, r)
+	require.Contains(t, r.stdout, "rolled back 00001_txbox.sql")
+	require.Equal(t, []string{"txbox_goose_db_version"}, e.tables(t, e.Schema))
+
+	r = e.txbox(t, nil, "migrate", "status")
+	require.Zero(t, r.code, r)
+	require.Contains(t, r.stdout, "00001_txbox.sql                pending")
+	require.Contains(t, r.stdout, "txbox is not installed in schema "+e.Schema)
+}
+
+// Stored text reaches the operator's terminal with its control characters escaped; --json stays
+// exact.
+func TestDLQOutputIsSanitised(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	w, err := dlq.NewWriter(e.Schema)
+	require.NoError(t, err)
+	const (
+		payload = "{\"x\":1}\x1b]0;owned\x07\x1b[2J\r\u202eevil"
+		errText = "boom\x1b[31m red\nline two\u009b"
+		topic   = "orders\x1b[1A"
+	)
+	require.NoError(t, w.Add(context.Background(), e.Pool, dlq.Entry{
+		Source: dlq.SourceInbox, Consumer: "billing\a", DedupKey: "k-1", UUID: "m-1", Topic: topic,
+		Reason: "bad\tinput\x1b[0m", Payload: []byte(payload), Error: errText, Metadata: map[string]string{"h\x1b": "v\x1b"},
+	}))
+	var id int64
+	require.NoError(t, e.Pool.QueryRow(context.Background(), `SELECT max(id) FROM `+e.Q("txbox_dlq")).Scan(&id))
+
+	for _, args := range [][]string{{"dlq", "list"}, {"dlq", "show", fmt.Sprint(id)}, {"dlq", "redrive", "--all", "--dry-run"}} {
+		r := e.txbox(t, nil, args...)
+		require.Zero(t, r.code, "%v\n%s", args, r)
+		for _, c := range []string{"\x1b", "\x07", "\r", "\u202e", "\x9b", "\a"} {
+			require.NotContains(t, r.stdout, c, "%v prints a raw control character %q", args, c)
+		}
+		require.Contains(t, r.stdout, `orders\x1b[1A`, args)
+	}
+	r := e.txbox(t, nil, "dlq", "show", fmt.Sprint(id))
+	require.Contains(t, r.stdout, `\x1b]0;owned\x07\x1b[2J\r\u202eevil`)
+	require.Contains(t, r.stdout, "  boom\\x1b[31m red\n  line two\\u009b", "newlines of multi-line fields are kept")
+	require.Contains(t, r.stdout, `h\x1b: v\x1b`)
+
+	r = e.txbox(t, nil, "dlq", "show", fmt.Sprint(id), "--json")
+	require.Zero(t, r.code, r)
+	var got letterJSON
+	require.NoError(t, json.Unmarshal([]byte(r.stdout), &got))
+	require.Equal(t, payload, *got.Payload)
+	require.Equal(t, errText, got.Error)
+	require.Equal(t, topic, got.Topic)
+	r = e.txbox(t, nil, "dlq", "list", "--json")
+	require.Zero(t, r.code, r)
+	require.Contains(t, r.stdout, `"topic": "orders\u001b[1A"`, "JSON escapes, exactly")
+}
+
+// One start line with the effective configuration, secrets redacted, in the format and at the
+// level asked for.
+func TestStartLine(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	r := e.txbox(t, nil, "retention", "--broker-retention", "7d", "--log-format", "json")
+	require.Zero(t, r.code, r)
+	var start map[string]any
+	for line := range strings.SplitSeq(strings.TrimSpace(r.stderr), "\n") {
+		var m map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &m), line)
+		if m["msg"] == "txbox retention starting" {
+			start = m
+		}
+	}
+	require.NotNil(t, start, r.stderr)
+	require.Equal(t, "INFO", start["level"])
+	require.Equal(t, "7d", start["broker_retention"])
+	require.Equal(t, "15d", start["inbox_retention"])
+	require.Equal(t, e.Schema, start["schema"])
+	u, err := url.Parse(start["database_url"].(string))
+	require.NoError(t, err)
+	_, hasPassword := u.User.Password()
+	require.False(t, hasPassword)
+
+	r = e.txbox(t, map[string]string{"TXBOX_LOG_LEVEL": "warn"}, "retention", "--broker-retention", "7d")
+	require.Zero(t, r.code, r)
+	require.NotContains(t, r.stderr, "starting")
+}
+
+// The relay logs its start line, with the owner it resolved, and stops cleanly on cancellation. A
+// second relay with another shard count is refused by the library; the message names the flag.
+func TestRelayStartsAndStops(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	kafka := map[string]string{"TXBOX_KAFKA_BROKERS": strings.Join(kafkatest.Brokers(t), ",")}
+	relayArgs := func(extra ...string) []string {
+		return append([]string{"relay", "--metrics-addr", "", "--transactional-id-prefix", e.Schema, "--lease-ttl", "1s"}, extra...)
+	}
+	var stderr proctest.Buffer
+	done := make(chan result, 1)
+	go func() {
+		done <- e.exec(ctx, &stderr, kafka, relayArgs("--shards", "2", "--owner", "cli-test")...)
+	}()
+	require.Eventually(t, func() bool {
+		var held int
+		require.NoError(t, e.Pool.QueryRow(context.Background(), `SELECT count(*) FROM `+e.Q("txbox_lease")+` WHERE owner = 'cli-test' AND expires_at > now()`).Scan(&held))
+		return held > 0
+	}, 30*time.Second, 10*time.Millisecond, "the relay takes leases")
+
+	other := e.txbox(t, kafka, relayArgs("--shards", "4")...)
+	require.Equal(t, 1, other.code, other)
+	require.Contains(t, other.stderr, "--shards / TXBOX_SHARDS is 4 but running relays hold leases of a 2-shard layout")
+	require.NotContains(t, other.stderr, "Config.")
+
+	cancel()
+	select {
+	case r := <-done:
+		e.requireNoSecret(t, r)
+		require.Zero(t, r.code, r)
+		require.Regexp(t, `msg="txbox relay starting" .*database_url=postgres://\S+@`, r.stderr)
+		require.Contains(t, r.stderr, "owner=cli-test")
+		require.Contains(t, r.stderr, "shards=2")
+		require.Contains(t, r.stderr, "call_timeout=666.666666ms", "the resolved default")
+		require.Contains(t, r.stderr, "side_effect_calls=false")
+	case <-time.After(30 * time.Second):
+		t.Fatal("the relay did not stop")
+	}
+}

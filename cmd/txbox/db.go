@@ -1,0 +1,71 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+	"github.com/spf13/cobra"
+
+	"github.com/txbox/txbox/internal/sqlname"
+	"github.com/txbox/txbox/migrations"
+)
+
+// database holds --database-url and --schema, which every command that talks to PostgreSQL has.
+type database struct {
+	dsn, schema string
+	cmd         *cobra.Command
+}
+
+func (a *app) databaseFlags(cmd *cobra.Command) *database {
+	d := &database{schema: sqlname.DefaultSchema, cmd: cmd}
+	f := a.setting(cmd.Flags(), dsnValue(&d.dsn), "database-url", "TXBOX_DATABASE_URL",
+		"PostgreSQL connection string; the password may come from PGPASSWORD")
+	annotate(f, annSecret, "true")
+	annotate(f, annRequired, "true")
+	f = a.setting(cmd.Flags(), text(&d.schema, schemaName), "schema", "TXBOX_SCHEMA", "schema holding txbox's tables")
+	annotate(f, annField, "Config.Schema")
+	return d
+}
+
+// connect opens a pool and checks that txbox is installed in the schema, so that a mistyped
+// schema is a usage error before anything runs rather than "relation does not exist" later.
+func (d *database) connect(ctx context.Context, log interface{ Warn(string, ...any) }) (*pgxpool.Pool, error) {
+	pool, err := pgxpool.New(ctx, d.dsn)
+	if err != nil {
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	status, err := d.migrationStatus(ctx, pool)
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
+	var pending []int64
+	for _, s := range status {
+		if s.State != goose.StateApplied {
+			pending = append(pending, s.Source.Version)
+		}
+	}
+	switch {
+	case len(pending) == len(status):
+		pool.Close()
+		return nil, usagef("%s: txbox is not installed in schema %q; run: txbox migrate up --schema %s", refOf(d.cmd, "schema"), d.schema, d.schema)
+	case len(pending) > 0:
+		log.Warn("the schema lacks migrations this txbox has; run txbox migrate up", "schema", d.schema, "pending", pending)
+	}
+	return pool, nil
+}
+
+// migrationStatus is migrations.Status on pool, with a missing schema reported against --schema.
+func (d *database) migrationStatus(ctx context.Context, pool *pgxpool.Pool) ([]*goose.MigrationStatus, error) {
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	status, err := migrations.Status(ctx, db, migrations.WithSchema(d.schema))
+	if errors.Is(err, migrations.ErrSchemaNotFound) {
+		return nil, usagef("%s: schema %q does not exist in database %q", refOf(d.cmd, "schema"), d.schema, pool.Config().ConnConfig.Database)
+	}
+	return status, err
+}
