@@ -225,11 +225,11 @@ func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window
 	}
 
 	var (
-		ids                  = make([]int64, len(letters))
-		consumers, dedupKeys []string
-		byTopic              = map[string][]*message.Message{}
-		topics               []string
-		idsByTopic           = map[string][]int64{}
+		ids                            = make([]int64, len(letters))
+		consumers, handlers, dedupKeys []string
+		byTopic                        = map[string][]*message.Message{}
+		topics                         []string
+		idsByTopic                     = map[string][]int64{}
 	)
 	for i, l := range letters {
 		if l.Kind == "call" {
@@ -239,6 +239,7 @@ func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window
 		ids[i] = l.ID
 		if l.Source == SourceInbox && l.Consumer != "" {
 			consumers = append(consumers, l.Consumer)
+			handlers = append(handlers, l.Handler)
 			dedupKeys = append(dedupKeys, l.DedupKey)
 		}
 		msg := message.NewMessage(l.UUID, l.Payload)
@@ -265,7 +266,7 @@ func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window
 		}
 	}
 	if len(consumers) > 0 {
-		tag, err := tx.Exec(ctx, a.sql.releaseDead, consumers, dedupKeys)
+		tag, err := tx.Exec(ctx, a.sql.releaseDead, consumers, handlers, dedupKeys)
 		if err != nil {
 			return 0, 0, 0, fmt.Errorf("release inbox rows: %w", err)
 		}

@@ -2,8 +2,8 @@
 //
 // # How
 //
-// For each message the middleware opens a PostgreSQL transaction and inserts (consumer, dedup key)
-// into the inbox table with ON CONFLICT DO NOTHING. If the row already exists the message was
+// For each message the middleware opens a PostgreSQL transaction and inserts (consumer, handler,
+// dedup key) into the inbox table with ON CONFLICT DO NOTHING. If the row already exists the message was
 // processed before: it is acknowledged without calling the handler. Otherwise the handler runs with
 // the transaction in its context (TxFromContext); its business writes, the messages it writes with
 // the outbox, and the messages it returns (written into the outbox for the handler's publish topic,
@@ -12,6 +12,15 @@
 //
 // A redelivery that races the first delivery waits on the inbox row's lock and then sees the
 // committed row, so two consumer instances never both run the handler for one message.
+//
+// # Scope
+//
+// A message is processed once per consuming handler. The handler is the name of the router handler
+// (message.HandlerNameFromCtx), so an inbox added to a whole router keeps one memory per handler:
+// two handlers on one topic each process every message, and one message id seen on two topics by
+// two handlers is processed by both. Outside a router the handler is "" and the scope is the
+// consumer. A row with handler "" (written outside a router, or before migration 00002 added the
+// handler) settles the message for every handler of its consumer.
 //
 // # Attempts and dead letters
 //

@@ -46,13 +46,16 @@ type DB interface {
 type Config struct {
 	// DB is the database holding the inbox and the handler's business tables. Required.
 	DB DB
-	// Consumer names the consumer: deduplication is per consumer, so two services reading one topic
-	// each process every message once. Required.
+	// Consumer names the consumer. Deduplication is per consumer and per handler: a message is
+	// processed once by each router handler the inbox wraps (message.HandlerNameFromCtx), so two
+	// services, or two handlers of one router, reading one topic each process every message once.
+	// Outside a router (no handler name) the scope is the consumer alone. Required.
 	Consumer string
 	// Schema is the PostgreSQL schema holding txbox's tables. If not specified, defaults to "public".
 	Schema string
-	// DedupKey returns the key a message is deduplicated by. If not specified, defaults to the
-	// message UUID. An empty key or an error sends the message to the dead-letter table.
+	// DedupKey returns the key a message is deduplicated by, within its consumer and handler. If
+	// not specified, defaults to the message UUID. An empty key or an error sends the message to
+	// the dead-letter table.
 	DedupKey func(*message.Message) (string, error)
 	// MaxAttempts is how many deliveries a message gets before it is moved to the dead-letter table.
 	// Attempts are counted durably, before the handler runs. If not specified, defaults to 10;
@@ -156,6 +159,17 @@ func (ib *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
+// scope is what a message is deduplicated by: its consumer, the router handler processing it ("" outside
+// a router) and its dedup key.
+type scope struct {
+	consumer, handler, key string
+}
+
+// args are the statements' first three parameters ($1 consumer, $2 dedup key, $3 handler).
+func (s scope) args(more ...any) []any {
+	return append([]any{s.consumer, s.key, s.handler}, more...)
+}
+
 // handle returns nil when the message must be acknowledged: processed now, processed before, or
 // moved to the dead-letter table.
 func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
@@ -163,6 +177,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 	consumer := ib.cfg.Consumer
 	ib.metrics.DedupChecks.WithLabelValues(consumer).Inc()
 
+	sc := scope{consumer: consumer, handler: message.HandlerNameFromCtx(ctx)}
 	key, err := ib.cfg.DedupKey(msg)
 	switch {
 	case err != nil:
@@ -174,15 +189,16 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 		key = ""
 	}
 	if err != nil {
-		return ib.kill(ctx, msg, "", ReasonNoID, err, 0)
+		return ib.kill(ctx, msg, sc, ReasonNoID, err, 0)
 	}
+	sc.key = key
 	if len(msg.Payload) > ib.cfg.MaxPayloadBytes {
-		return ib.kill(ctx, msg, key, ReasonTooLarge,
+		return ib.kill(ctx, msg, sc, ReasonTooLarge,
 			fmt.Errorf("payload of %d bytes is over the %d-byte limit", len(msg.Payload), ib.cfg.MaxPayloadBytes), 0)
 	}
 	shard, token, err := leaseOf(msg)
 	if err != nil {
-		return ib.kill(ctx, msg, key, ReasonBadMetadata, err, 0)
+		return ib.kill(ctx, msg, sc, ReasonBadMetadata, err, 0)
 	}
 	ib.observeToken(ctx, msg, shard, token)
 
@@ -190,7 +206,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 	if ib.cfg.MaxAttempts > 0 {
 		// Counted in its own transaction, before the handler: a crash inside the handler still counts.
 		var lastErr *string
-		err := ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, consumer, key).Scan(&attempts, &lastErr)
+		err := ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, sc.args()...).Scan(&attempts, &lastErr)
 		if errors.Is(err, pgx.ErrNoRows) {
 			ib.metrics.DedupHits.WithLabelValues(consumer).Inc()
 			return nil // Processed (or dead) before: the inbox row exists.
@@ -203,32 +219,36 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 			if lastErr != nil {
 				cause = fmt.Errorf("%d attempts failed, last: %s", attempts-1, *lastErr)
 			}
-			return ib.kill(ctx, msg, key, ReasonAttemptsExhausted, cause, attempts-1)
+			return ib.kill(ctx, msg, sc, ReasonAttemptsExhausted, cause, attempts-1)
 		}
 	}
 
-	processed, herr := ib.process(ctx, msg, h, key, shard, token)
+	processed, herr := ib.process(ctx, msg, h, sc, shard, token)
 	switch {
 	case herr == nil && !processed:
 		ib.metrics.DedupHits.WithLabelValues(consumer).Inc()
-		ib.forgetAttempts(ctx, key)
+		ib.forgetAttempts(ctx, sc)
 		return nil
 	case herr == nil:
 		ib.metrics.Attempts.WithLabelValues(consumer).Observe(float64(max(attempts, 1)))
 		return nil
 	case errors.Is(herr, ErrUnprocessable):
-		return ib.kill(ctx, msg, key, ReasonUnprocessable, herr, attempts)
+		return ib.kill(ctx, msg, sc, ReasonUnprocessable, herr, attempts)
 	}
 	if ib.cfg.MaxAttempts > 0 {
-		if _, err := ib.cfg.DB.Exec(ctx, ib.sql.recordError, consumer, key, herr.Error()); err != nil {
-			ib.logger.Error("Could not record the handler error", err, watermill.LogFields{"dedup_key": key})
+		if _, err := ib.cfg.DB.Exec(ctx, ib.sql.recordError, sc.args(herr.Error())...); err != nil {
+			ib.logger.Error("Could not record the handler error", err, sc.logFields())
 		}
 	}
 	return herr
 }
 
+func (s scope) logFields() watermill.LogFields {
+	return watermill.LogFields{"handler": s.handler, "dedup_key": s.key}
+}
+
 // process runs h in a transaction with the inbox row. processed is false when the row existed.
-func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.HandlerFunc, key string, shard *int32, token *int64) (processed bool, err error) {
+func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.HandlerFunc, sc scope, shard *int32, token *int64) (processed bool, err error) {
 	tx, err := ib.cfg.DB.Begin(ctx)
 	if err != nil {
 		return false, fmt.Errorf("inbox: begin: %w", err)
@@ -238,9 +258,9 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	tag, err := tx.Exec(ctx, ib.sql.insertInbox, ib.cfg.Consumer, key, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token)
+	tag, err := tx.Exec(ctx, ib.sql.insertInbox, sc.args(msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token)...)
 	if err != nil {
-		return false, fmt.Errorf("inbox: insert %s: %w", key, err)
+		return false, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
 	}
 	failpoint.HitContext(ctx, "inbox.after-insert")
 	if tag.RowsAffected() == 0 {
@@ -248,7 +268,8 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 	}
 
 	orig := msg.Context()
-	msg.SetContext(outbox.ContextWithSource(context.WithValue(orig, txKey{}, tx), ib.cfg.Consumer, key))
+	src := outbox.Source{Consumer: sc.consumer, Handler: sc.handler, DedupKey: sc.key}
+	msg.SetContext(outbox.ContextWithSource(context.WithValue(orig, txKey{}, tx), src))
 	produced, err := h(msg)
 	msg.SetContext(orig)
 	failpoint.HitContext(ctx, "inbox.after-handler")
@@ -265,28 +286,29 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 		}
 	}
 	if ib.cfg.MaxAttempts > 0 {
-		if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.cfg.Consumer, key); err != nil {
-			return false, fmt.Errorf("inbox: clear attempts of %s: %w", key, err)
+		if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, sc.args()...); err != nil {
+			return false, fmt.Errorf("inbox: clear attempts of %s: %w", sc.key, err)
 		}
 	}
 	failpoint.HitContext(ctx, "inbox.before-commit")
 	if err := tx.Commit(ctx); err != nil {
-		return false, fmt.Errorf("inbox: commit %s: %w", key, err)
+		return false, fmt.Errorf("inbox: commit %s: %w", sc.key, err)
 	}
 	failpoint.HitContext(ctx, "inbox.after-commit")
 	return true, nil
 }
 
 // kill moves msg to the dead-letter table and marks it dead in the inbox, in one transaction, so a
-// redelivery is skipped. A nil return acknowledges the message.
-func (ib *Inbox) kill(ctx context.Context, msg *message.Message, key, reason string, cause error, attempts int) error {
+// redelivery is skipped. A nil return acknowledges the message. sc.key is empty when the message
+// has no usable dedup key.
+func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reason string, cause error, attempts int) error {
 	uuid := msg.UUID
-	if key == "" {
+	if sc.key == "" {
 		// No id of its own: the broker's UUID still names it, so a redelivery is recognised. An id
 		// the database cannot store as text is stored in hex.
-		key = "uuid:" + uuid
+		sc.key = "uuid:" + uuid
 		if !pgtext.Valid(uuid) {
-			key = "uuid-hex:" + hex.EncodeToString([]byte(uuid))
+			sc.key = "uuid-hex:" + hex.EncodeToString([]byte(uuid))
 			uuid = pgtext.Sanitize(uuid)
 		}
 	}
@@ -296,9 +318,9 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, key, reason str
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // A no-op after Commit.
 
-	tag, err := tx.Exec(ctx, ib.sql.insertDead, ib.cfg.Consumer, key, uuid, message.SubscribeTopicFromCtx(ctx))
+	tag, err := tx.Exec(ctx, ib.sql.insertDead, sc.args(uuid, message.SubscribeTopicFromCtx(ctx))...)
 	if err != nil {
-		return fmt.Errorf("inbox: mark %s dead: %w", key, err)
+		return fmt.Errorf("inbox: mark %s dead: %w", sc.key, err)
 	}
 	if tag.RowsAffected() == 0 {
 		ib.metrics.DedupHits.WithLabelValues(ib.cfg.Consumer).Inc()
@@ -307,8 +329,9 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, key, reason str
 	err = ib.dead.Add(ctx, tx, dlq.Entry{
 		Source:       dlq.SourceInbox,
 		Topic:        message.SubscribeTopicFromCtx(ctx),
-		Consumer:     ib.cfg.Consumer,
-		DedupKey:     key,
+		Consumer:     sc.consumer,
+		Handler:      sc.handler,
+		DedupKey:     sc.key,
 		PartitionKey: msg.Metadata.Get(outbox.PartitionKeyMetadata),
 		UUID:         uuid,
 		Payload:      msg.Payload,
@@ -320,27 +343,29 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, key, reason str
 	if err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.cfg.Consumer, key); err != nil {
-		return fmt.Errorf("inbox: clear attempts of %s: %w", key, err)
+	if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, sc.args()...); err != nil {
+		return fmt.Errorf("inbox: clear attempts of %s: %w", sc.key, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("inbox: commit dead letter %s: %w", key, err)
+		return fmt.Errorf("inbox: commit dead letter %s: %w", sc.key, err)
 	}
 	ib.metrics.DeadLetters.WithLabelValues(string(dlq.SourceInbox), reason).Inc()
-	ib.logger.Info("Message moved to the dead-letter table", watermill.LogFields{
-		"message_uuid": uuid, "dedup_key": key, "reason": reason, "error": cause.Error(),
-	})
+	fields := sc.logFields()
+	fields["message_uuid"], fields["reason"], fields["error"] = uuid, reason, cause.Error()
+	ib.logger.Info("Message moved to the dead-letter table", fields)
 	return nil
 }
 
 // forgetAttempts removes the attempt counter a duplicate delivery created while the first delivery
 // was still in flight; leaving it would only cost a row.
-func (ib *Inbox) forgetAttempts(ctx context.Context, key string) {
+func (ib *Inbox) forgetAttempts(ctx context.Context, sc scope) {
 	if ib.cfg.MaxAttempts <= 0 {
 		return
 	}
-	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.deleteAttempts, ib.cfg.Consumer, key); err != nil {
-		ib.logger.Debug("Could not clear attempts of a duplicate", watermill.LogFields{"dedup_key": key, "error": err.Error()})
+	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.deleteAttempts, sc.args()...); err != nil {
+		fields := sc.logFields()
+		fields["error"] = err.Error()
+		ib.logger.Debug("Could not clear attempts of a duplicate", fields)
 	}
 }
 

@@ -76,13 +76,23 @@ type CallRequest struct {
 	StripeAccount string     `json:"stripe_account,omitempty"`
 }
 
-// IdempotencyKey derives the key of the call named name that a consumer makes while processing the
-// message with dedupKey: "txbox_" and the unpadded base64url SHA-256 of the three, 49 characters.
-// Each part is length-prefixed before hashing, so no two different triples share a key.
-func IdempotencyKey(consumer, dedupKey, name string) string {
+// IdempotencyKey derives the key of the call named name that a handler makes while processing the
+// message src names: "txbox_" and the unpadded base64url SHA-256 of the parts, 49 characters. Each
+// part is length-prefixed before hashing, so no two different sources and names share a key.
+//
+// Two handlers of one consumer get different keys for calls of the same name. Without a handler
+// (outside a router) the key is derived from consumer, dedup key and name alone, as it was before
+// handlers took part, so the keys of calls already written do not change.
+func IdempotencyKey(src Source, name string) string {
 	h := sha256.New()
-	h.Write([]byte("txbox-call-key/v1"))
-	for _, part := range []string{consumer, dedupKey, name} {
+	parts := []string{src.Consumer, src.DedupKey, name}
+	if src.Handler == "" {
+		h.Write([]byte("txbox-call-key/v1"))
+	} else {
+		h.Write([]byte("txbox-call-key/v2"))
+		parts = []string{src.Consumer, src.Handler, src.DedupKey, name}
+	}
+	for _, part := range parts {
 		var n [8]byte
 		binary.BigEndian.PutUint64(n[:], uint64(len(part)))
 		h.Write(n[:])
@@ -107,8 +117,8 @@ func ReplyUUID(idempotencyKey string) string {
 }
 
 // Call writes c into the outbox through tx and returns its idempotency key. Unless c carries an
-// explicit key, the key is derived (IdempotencyKey) from the consumer and dedup key that the inbox
-// middleware put in ctx (see ContextWithSource) and c.Name, so a redelivered message yields the same
+// explicit key, the key is derived (IdempotencyKey) from the consumer, handler and dedup key that
+// the inbox middleware put in ctx (see ContextWithSource) and c.Name, so a redelivered message yields the same
 // key and the provider executes the call once. The trace context of ctx is stored with the call and
 // passed on to its reply.
 //
@@ -181,14 +191,14 @@ func callKey(ctx context.Context, c Call) (string, error) {
 		}
 		return k, nil
 	}
-	consumer, dedupKey, ok := SourceFromContext(ctx)
+	src, ok := SourceFromContext(ctx)
 	if !ok {
 		return "", fmt.Errorf("%w: no idempotency key: ctx carries no inbox message (use the handler's message context, or set Call.IdempotencyKey)", ErrInvalidCall)
 	}
 	if c.Name == "" {
 		return "", fmt.Errorf("%w: Call.Name is required to derive the idempotency key: it tells the calls of one message apart", ErrInvalidCall)
 	}
-	return IdempotencyKey(consumer, dedupKey, c.Name), nil
+	return IdempotencyKey(src, c.Name), nil
 }
 
 func checkPath(p string) error {

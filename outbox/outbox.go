@@ -193,18 +193,27 @@ func (txPublisher) Close() error { return nil }
 
 type sourceKey struct{}
 
-type source struct{ consumer, dedupKey string }
+// Source identifies the incoming message a handler is processing, for the idempotency keys of the
+// side-effect calls it writes (see IdempotencyKey).
+type Source struct {
+	// Consumer is the inbox's consumer name.
+	Consumer string
+	// Handler is the name of the router handler processing the message (Watermill's
+	// message.HandlerNameFromCtx), or "" outside a router.
+	Handler string
+	// DedupKey is the message's dedup key.
+	DedupKey string
+}
 
-// ContextWithSource records which incoming message is being processed: the consumer and the
-// message's dedup key. Side-effect calls written under such a context derive their idempotency keys
-// from it, so a redelivery of the message yields the same keys. The inbox middleware sets it for
-// handlers.
-func ContextWithSource(ctx context.Context, consumer, dedupKey string) context.Context {
-	return context.WithValue(ctx, sourceKey{}, source{consumer: consumer, dedupKey: dedupKey})
+// ContextWithSource records which incoming message is being processed. Side-effect calls written
+// under such a context derive their idempotency keys from it, so a redelivery of the message yields
+// the same keys. The inbox middleware sets it for handlers.
+func ContextWithSource(ctx context.Context, s Source) context.Context {
+	return context.WithValue(ctx, sourceKey{}, s)
 }
 
 // SourceFromContext returns what ContextWithSource recorded.
-func SourceFromContext(ctx context.Context) (consumer, dedupKey string, ok bool) {
-	s, ok := ctx.Value(sourceKey{}).(source)
-	return s.consumer, s.dedupKey, ok
+func SourceFromContext(ctx context.Context) (Source, bool) {
+	s, ok := ctx.Value(sourceKey{}).(Source)
+	return s, ok
 }

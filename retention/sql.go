@@ -51,26 +51,28 @@ WHERE ctid = ANY(ARRAY(
         SELECT ctid FROM {schema}.txbox_inbox AS i
         WHERE state = 'dead' AND received_at < $1
           AND NOT EXISTS (SELECT 1 FROM {schema}.txbox_dlq AS d
-                          WHERE d.source = 'inbox' AND d.consumer = i.consumer AND d.dedup_key = i.dedup_key)
+                          WHERE d.source = 'inbox' AND d.consumer = i.consumer AND d.handler = i.handler AND d.dedup_key = i.dedup_key)
         LIMIT $2
         FOR UPDATE SKIP LOCKED))
   AND state = 'dead' AND received_at < $1
   AND NOT EXISTS (SELECT 1 FROM {schema}.txbox_dlq AS d
-                  WHERE d.source = 'inbox' AND d.consumer = i.consumer AND d.dedup_key = i.dedup_key)`
+                  WHERE d.source = 'inbox' AND d.consumer = i.consumer AND d.handler = i.handler AND d.dedup_key = i.dedup_key)`
 
-// An attempt counter is orphaned when its message was settled (an inbox row exists: the counter is
-// never read again) or when no delivery came for longer than the inbox retention (the broker can
-// no longer redeliver it).
+// An attempt counter is orphaned when its message was settled (an inbox row of its handler, or a
+// consumer-wide one, exists: the counter is never read again) or when no delivery came for longer
+// than the inbox retention (the broker can no longer redeliver it).
 const deleteAttemptsSQL = `
 DELETE FROM {schema}.txbox_inbox_attempt AS a
 WHERE ctid = ANY(ARRAY(
         SELECT ctid FROM {schema}.txbox_inbox_attempt AS a
         WHERE a.last_at < $1
-           OR EXISTS (SELECT 1 FROM {schema}.txbox_inbox AS i WHERE i.consumer = a.consumer AND i.dedup_key = a.dedup_key)
+           OR EXISTS (SELECT 1 FROM {schema}.txbox_inbox AS i
+                   WHERE i.consumer = a.consumer AND i.dedup_key = a.dedup_key AND i.handler IN (a.handler, ''))
         LIMIT $2
         FOR UPDATE SKIP LOCKED))
   AND (a.last_at < $1
-       OR EXISTS (SELECT 1 FROM {schema}.txbox_inbox AS i WHERE i.consumer = a.consumer AND i.dedup_key = a.dedup_key))`
+       OR EXISTS (SELECT 1 FROM {schema}.txbox_inbox AS i
+                   WHERE i.consumer = a.consumer AND i.dedup_key = a.dedup_key AND i.handler IN (a.handler, '')))`
 
 const deleteCallResultsSQL = `
 DELETE FROM {schema}.txbox_call_result
