@@ -2,9 +2,13 @@ package inbox
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strconv"
 	"sync"
 
@@ -68,9 +72,11 @@ type Config struct {
 	Outbox *outbox.Writer
 	// Delivery says where the broker delivered a message from (for Kafka: its partition and
 	// offset). The inbox tracks fencing tokens per partition with it (see
-	// txbox_superseded_token_messages_total). Kafka consumers set it to kafkasub.Delivery; it is a
-	// function rather than a dependency so that importing the inbox pulls in no Kafka client. If
-	// not specified, fencing tokens are not tracked.
+	// txbox_superseded_token_messages_total), and names a message without a usable id by its
+	// topic, partition and offset, so that each such record gets one dead letter. Kafka consumers
+	// set it to kafkasub.Delivery; it is a function rather than a dependency so that importing the
+	// inbox pulls in no Kafka client. If not specified, fencing tokens are not tracked and a
+	// message without a usable id is named by a hash of its content.
 	Delivery func(ctx context.Context) (partition int32, offset int64, ok bool)
 	// Registerer receives the inbox's Prometheus metrics. If not specified, they are not registered.
 	Registerer prometheus.Registerer
@@ -302,16 +308,10 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 // redelivery is skipped. A nil return acknowledges the message. sc.key is empty when the message
 // has no usable dedup key.
 func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reason string, cause error, attempts int) error {
-	uuid := msg.UUID
 	if sc.key == "" {
-		// No id of its own: the broker's UUID still names it, so a redelivery is recognised. An id
-		// the database cannot store as text is stored in hex.
-		sc.key = "uuid:" + uuid
-		if !pgtext.Valid(uuid) {
-			sc.key = "uuid-hex:" + hex.EncodeToString([]byte(uuid))
-			uuid = pgtext.Sanitize(uuid)
-		}
+		sc.key = ib.fallbackKey(ctx, msg)
 	}
+	uuid := pgtext.Sanitize(msg.UUID)
 	tx, err := ib.cfg.DB.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("inbox: begin dead letter: %w", err)
@@ -354,6 +354,39 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 	fields["message_uuid"], fields["reason"], fields["error"] = uuid, reason, cause.Error()
 	ib.logger.Info("Message moved to the dead-letter table", fields)
 	return nil
+}
+
+// fallbackKey names a message that has no usable dedup key, so that however often it is delivered
+// it gets one dead letter, and each distinct message its own: its Watermill UUID when that is text
+// the database can store; else where the broker delivered it from (Config.Delivery), which is the
+// same for every redelivery of a record and different for every record; else a hash of what it
+// carries (topic, id bytes, payload, metadata). Distinct messages that carry the same are
+// indistinguishable then.
+func (ib *Inbox) fallbackKey(ctx context.Context, msg *message.Message) string {
+	if msg.UUID != "" && pgtext.Valid(msg.UUID) {
+		return "uuid:" + msg.UUID
+	}
+	topic := message.SubscribeTopicFromCtx(ctx)
+	if ib.cfg.Delivery != nil {
+		if partition, offset, ok := ib.cfg.Delivery(ctx); ok {
+			return fmt.Sprintf("kafka:%s/%d/%d", topic, partition, offset)
+		}
+	}
+	h := sha256.New()
+	field := func(s string) {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(s)))
+		h.Write(n[:])
+		h.Write([]byte(s))
+	}
+	field(topic)
+	field(msg.UUID)
+	field(string(msg.Payload))
+	for _, k := range slices.Sorted(maps.Keys(msg.Metadata)) {
+		field(k)
+		field(msg.Metadata[k])
+	}
+	return "sha256:" + hex.EncodeToString(h.Sum(nil))
 }
 
 // forgetAttempts removes the attempt counter a duplicate delivery created while the first delivery

@@ -40,11 +40,18 @@ func newRig(t *testing.T, mutate func(*inbox.Config)) *rig {
 	r := &rig{bundle: setup(t, mutate)}
 	_, err := r.env.Pool.Exec(context.Background(), "CREATE TABLE "+r.env.Q("handled")+" (handler text NOT NULL, uuid text NOT NULL)")
 	require.NoError(t, err)
-	logger := watermill.NopLogger{}
-	r.pubsub = gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, logger)
-	r.router, err = message.NewRouter(message.RouterConfig{}, logger)
+	r.pubsub = gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
+	r.router = r.newRouter(t)
+	return r
+}
+
+// newRouter returns a router with the rig's inbox added router-wide, behind a middleware that
+// counts acknowledged deliveries.
+func (r *rig) newRouter(t *testing.T) *message.Router {
+	t.Helper()
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 	require.NoError(t, err)
-	r.router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			out, err := h(msg)
 			if err == nil {
@@ -53,7 +60,7 @@ func newRig(t *testing.T, mutate func(*inbox.Config)) *rig {
 			return out, err
 		}
 	}, r.inbox.Middleware)
-	return r
+	return router
 }
 
 // record is a handler that applies its business effect in the inbox's transaction.
@@ -66,13 +73,16 @@ func (r *rig) record(msg *message.Message) error {
 	return err
 }
 
-func (r *rig) run(t *testing.T) {
+func (r *rig) run(t *testing.T) { runRouter(t, r.router) }
+
+// runRouter runs router until the test ends.
+func runRouter(t *testing.T, router *message.Router) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- r.router.Run(ctx) }()
+	go func() { done <- router.Run(ctx) }()
 	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	<-r.router.Running()
+	<-router.Running()
 }
 
 // waitAcked waits until n deliveries were acknowledged: every copy has been settled by the inbox,
@@ -346,11 +356,7 @@ func TestHonouringConsumerWideRowsCostsNoRoundTrip(t *testing.T) {
 		}
 	}, ib.Middleware)
 	router.AddConsumerHandler("charge", "orders.placed", pubsub, func(*message.Message) error { return nil })
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- router.Run(ctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	<-router.Running()
+	runRouter(t, router)
 	freshInRouter, dupInRouter := statements(func(m *message.Message) {
 		require.NoError(t, pubsub.Publish("orders.placed", m.Copy()))
 		require.NoError(t, <-settled)
