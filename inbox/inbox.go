@@ -8,9 +8,11 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math"
 	"slices"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -78,17 +80,39 @@ type Config struct {
 	// inbox pulls in no Kafka client. If not specified, fencing tokens are not tracked and a
 	// message without a usable id is named by a hash of its content.
 	Delivery func(ctx context.Context) (partition int32, offset int64, ok bool)
+	// LockTimeout bounds how long a delivery waits for a lock that another delivery of the same
+	// message holds (a second consumer instance still processing it, or one frozen in its
+	// handler): after it the delivery fails with PostgreSQL's lock_not_available and is retried
+	// like any error, without using up an attempt. If not specified, defaults to
+	// DefaultLockTimeout; a negative value waits without limit.
+	LockTimeout time.Duration
+	// IdleInTransactionTimeout bounds how long the handler's transaction may sit idle, no
+	// statement running, before PostgreSQL ends its session and so releases its locks: a consumer
+	// frozen in its handler (a stopped process, a long GC or VM pause, a handler blocked on
+	// something else) holds the message's inbox row at most this long. Its late commit then fails
+	// and another delivery processes the message once. Keep it above the longest pause a healthy
+	// handler makes between statements. If not specified, defaults to
+	// DefaultIdleInTransactionTimeout; a negative value disables it.
+	IdleInTransactionTimeout time.Duration
 	// Registerer receives the inbox's Prometheus metrics. If not specified, they are not registered.
 	Registerer prometheus.Registerer
 }
 
-// DefaultMaxAttempts is Config.MaxAttempts when it is not specified.
-const DefaultMaxAttempts = 10
+// Defaults of Config.
+const (
+	DefaultMaxAttempts              = 10
+	DefaultLockTimeout              = 2 * time.Second
+	DefaultIdleInTransactionTimeout = 30 * time.Second
+)
+
+// maxTimeout is the longest timeout PostgreSQL accepts (INT_MAX milliseconds).
+const maxTimeout = math.MaxInt32 * time.Millisecond
 
 // Inbox is the deduplicating middleware. Create it with New; it is safe for concurrent use.
 type Inbox struct {
 	cfg     Config
 	sql     queries
+	bounds  [2]string // lock_timeout and idle_in_transaction_session_timeout, in milliseconds
 	dead    *dlq.Writer
 	logger  watermill.LoggerAdapter
 	metrics *metrics.Inbox
@@ -124,6 +148,23 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	if cfg.MaxPayloadBytes == 0 {
 		cfg.MaxPayloadBytes = outbox.DefaultMaxPayloadBytes
 	}
+	var timeouts [2]string
+	for i, d := range []struct {
+		name string
+		v    *time.Duration
+		def  time.Duration
+	}{
+		{"LockTimeout", &cfg.LockTimeout, DefaultLockTimeout},
+		{"IdleInTransactionTimeout", &cfg.IdleInTransactionTimeout, DefaultIdleInTransactionTimeout},
+	} {
+		switch {
+		case *d.v == 0:
+			*d.v = d.def
+		case *d.v > 0 && *d.v < time.Millisecond, *d.v > maxTimeout:
+			return nil, fmt.Errorf("inbox: Config.%s must be between 1ms and %s (or negative for no limit), got %s", d.name, maxTimeout, *d.v)
+		}
+		timeouts[i] = strconv.FormatInt(max(d.v.Milliseconds(), 0), 10) // 0 is PostgreSQL's "no limit"
+	}
 	if cfg.DedupKey == nil {
 		cfg.DedupKey = func(m *message.Message) (string, error) { return m.UUID, nil }
 	}
@@ -142,6 +183,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	return &Inbox{
 		cfg:     cfg,
 		sql:     renderQueries(schema),
+		bounds:  timeouts,
 		dead:    dead,
 		logger:  logger.With(watermill.LogFields{"consumer": cfg.Consumer}),
 		metrics: metrics.NewInbox(cfg.Registerer),
@@ -171,9 +213,10 @@ type scope struct {
 	consumer, handler, key string
 }
 
-// args are the statements' first three parameters ($1 consumer, $2 dedup key, $3 handler).
-func (s scope) args(more ...any) []any {
-	return append([]any{s.consumer, s.key, s.handler}, more...)
+// args are a statement's parameters: the scope ($1 consumer, $2 dedup key, $3 handler), the
+// bounds ($4, $5), then more from $6 (see sql.go).
+func (ib *Inbox) args(s scope, more ...any) []any {
+	return append([]any{s.consumer, s.key, s.handler, ib.bounds[0], ib.bounds[1]}, more...)
 }
 
 // handle returns nil when the message must be acknowledged: processed now, processed before, or
@@ -212,7 +255,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 	if ib.cfg.MaxAttempts > 0 {
 		// Counted in its own transaction, before the handler: a crash inside the handler still counts.
 		var lastErr *string
-		err := ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, sc.args()...).Scan(&attempts, &lastErr)
+		err := ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, ib.args(sc)...).Scan(&attempts, &lastErr)
 		if errors.Is(err, pgx.ErrNoRows) {
 			ib.metrics.DedupHits.WithLabelValues(consumer).Inc()
 			return nil // Processed (or dead) before: the inbox row exists.
@@ -242,7 +285,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 		return ib.kill(ctx, msg, sc, ReasonUnprocessable, herr, attempts)
 	}
 	if ib.cfg.MaxAttempts > 0 {
-		if _, err := ib.cfg.DB.Exec(ctx, ib.sql.recordError, sc.args(herr.Error())...); err != nil {
+		if _, err := ib.cfg.DB.Exec(ctx, ib.sql.recordError, ib.args(sc, herr.Error())...); err != nil {
 			ib.logger.Error("Could not record the handler error", err, sc.logFields())
 		}
 	}
@@ -264,7 +307,7 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	tag, err := tx.Exec(ctx, ib.sql.insertInbox, sc.args(msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token)...)
+	tag, err := tx.Exec(ctx, ib.sql.insertInbox, ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token)...)
 	if err != nil {
 		return false, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
 	}
@@ -292,7 +335,7 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 		}
 	}
 	if ib.cfg.MaxAttempts > 0 {
-		if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, sc.args()...); err != nil {
+		if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.args(sc)...); err != nil {
 			return false, fmt.Errorf("inbox: clear attempts of %s: %w", sc.key, err)
 		}
 	}
@@ -318,7 +361,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // A no-op after Commit.
 
-	tag, err := tx.Exec(ctx, ib.sql.insertDead, sc.args(uuid, message.SubscribeTopicFromCtx(ctx))...)
+	tag, err := tx.Exec(ctx, ib.sql.insertDead, ib.args(sc, uuid, message.SubscribeTopicFromCtx(ctx))...)
 	if err != nil {
 		return fmt.Errorf("inbox: mark %s dead: %w", sc.key, err)
 	}
@@ -343,7 +386,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 	if err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, sc.args()...); err != nil {
+	if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.args(sc)...); err != nil {
 		return fmt.Errorf("inbox: clear attempts of %s: %w", sc.key, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -395,7 +438,7 @@ func (ib *Inbox) forgetAttempts(ctx context.Context, sc scope) {
 	if ib.cfg.MaxAttempts <= 0 {
 		return
 	}
-	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.deleteAttempts, sc.args()...); err != nil {
+	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.deleteAttempts, ib.args(sc)...); err != nil {
 		fields := sc.logFields()
 		fields["error"] = err.Error()
 		ib.logger.Debug("Could not clear attempts of a duplicate", fields)
