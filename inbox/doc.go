@@ -30,7 +30,12 @@
 //
 // With MaxAttempts set, each delivery is counted in its own small transaction before the handler
 // runs. A message that fails, or kills the process, MaxAttempts times is moved to the dead-letter
-// table on its next delivery and acknowledged. A message with no usable id, a payload over the
+// table on its next delivery and acknowledged. A delivery that fails for reasons that are not the
+// message's gives its attempt back: it never reached the handler (a duplicate that gave up waiting
+// on another instance's lock, no connection in time), or it ended in a serialization failure, a
+// deadlock, a lock timeout, a lost connection, a server shutting down, or the cancellation of the
+// delivery's context at shutdown. A handler frozen past IdleInTransactionTimeout counts, like a
+// crash. A message with no usable id, a payload over the
 // limit, or a handler error wrapping ErrUnprocessable goes there at once.
 //
 // # Middleware order

@@ -11,6 +11,7 @@ import (
 	"math"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -268,11 +269,15 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 			if lastErr != nil {
 				cause = fmt.Errorf("%d attempts failed, last: %s", attempts-1, *lastErr)
 			}
-			return ib.kill(ctx, msg, sc, ReasonAttemptsExhausted, cause, attempts-1)
+			err := ib.kill(ctx, msg, sc, ReasonAttemptsExhausted, cause, attempts-1)
+			if err != nil {
+				ib.endAttempt(ctx, sc, true, err) // This delivery did nothing.
+			}
+			return err
 		}
 	}
 
-	processed, herr := ib.process(ctx, msg, h, sc, shard, token)
+	processed, transient, herr := ib.process(ctx, msg, h, sc, shard, token)
 	switch {
 	case herr == nil && !processed:
 		ib.metrics.DedupHits.WithLabelValues(consumer).Inc()
@@ -285,66 +290,123 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 		return ib.kill(ctx, msg, sc, ReasonUnprocessable, herr, attempts)
 	}
 	if ib.cfg.MaxAttempts > 0 {
-		if _, err := ib.cfg.DB.Exec(ctx, ib.sql.recordError, ib.args(sc, herr.Error())...); err != nil {
-			ib.logger.Error("Could not record the handler error", err, sc.logFields())
-		}
+		ib.endAttempt(ctx, sc, transient, herr)
 	}
 	return herr
+}
+
+// settleTimeout bounds the bookkeeping after a delivery failed, which runs even when the delivery's
+// context was cancelled.
+const settleTimeout = 5 * time.Second
+
+// endAttempt records how a counted delivery failed. A failure of the message (the handler's error,
+// or a crash, which never gets here) keeps its attempt and becomes the last error. A transient one
+// gives the attempt back, so that only real failures bring a message to the dead-letter table. If
+// the database cannot be reached for this either, the attempt stays used up.
+func (ib *Inbox) endAttempt(ctx context.Context, sc scope, transient bool, cause error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+	defer cancel()
+	giveBack, lastErr := 0, any(cause.Error())
+	if transient {
+		giveBack, lastErr = 1, nil
+	}
+	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.endAttempt, ib.args(sc, giveBack, lastErr)...); err != nil {
+		fields := sc.logFields()
+		fields["transient"] = transient
+		ib.logger.Error("Could not record the end of an attempt", err, fields)
+	}
+}
+
+// isTransient reports whether err, which ended a delivery after its handler was called, is about the
+// database or the process rather than the message, so that a later delivery may well succeed:
+// the delivery was cancelled (shutdown), or PostgreSQL reported a serialization failure, a
+// deadlock, a lock timeout, a lost connection or a server shutting down. The transaction's
+// connection being closed covers connection losses that reach the handler as other errors.
+//
+// An idle-in-transaction timeout (25P03) is not transient: a handler that freezes on a message
+// every time must bring it to the dead-letter table, like one that crashes.
+func isTransient(ctx context.Context, tx pgx.Tx, err error) bool {
+	if errors.Is(ctx.Err(), context.Canceled) || tx.Conn().IsClosed() {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch pgErr.Code {
+	case "40001", // serialization_failure
+		"40P01", // deadlock_detected
+		"55P03", // lock_not_available
+		"53300", // too_many_connections
+		"57P01", // admin_shutdown
+		"57P02", // crash_shutdown
+		"57P03": // cannot_connect_now
+		return true
+	}
+	return strings.HasPrefix(pgErr.Code, "08") // connection_exception
 }
 
 func (s scope) logFields() watermill.LogFields {
 	return watermill.LogFields{"handler": s.handler, "dedup_key": s.key}
 }
 
-// process runs h in a transaction with the inbox row. processed is false when the row existed.
-func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.HandlerFunc, sc scope, shard *int32, token *int64) (processed bool, err error) {
+// process runs h in a transaction with the inbox row. processed is false when the row existed. When
+// it fails, transient says that the failure is not the message's: the handler never ran, or the
+// error is transient (see there).
+func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.HandlerFunc, sc scope, shard *int32, token *int64) (processed, transient bool, err error) {
+	failpoint.HitContext(ctx, "inbox.before-begin")
 	tx, err := ib.cfg.DB.Begin(ctx)
 	if err != nil {
-		return false, fmt.Errorf("inbox: begin: %w", err)
+		return false, true, fmt.Errorf("inbox: begin: %w", err)
 	}
+	ran := false
 	defer func() {
+		if err != nil {
+			transient = !ran || isTransient(ctx, tx, err)
+		}
 		if !processed || err != nil {
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
 	tag, err := tx.Exec(ctx, ib.sql.insertInbox, ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token)...)
 	if err != nil {
-		return false, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
+		return false, false, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
 	}
 	failpoint.HitContext(ctx, "inbox.after-insert")
 	if tag.RowsAffected() == 0 {
-		return false, nil
+		return false, false, nil
 	}
 
 	orig := msg.Context()
 	src := outbox.Source{Consumer: sc.consumer, Handler: sc.handler, DedupKey: sc.key}
 	msg.SetContext(outbox.ContextWithSource(context.WithValue(orig, txKey{}, tx), src))
+	ran = true
 	produced, err := h(msg)
 	msg.SetContext(orig)
 	failpoint.HitContext(ctx, "inbox.after-handler")
 	if err != nil {
-		return false, err
+		return false, false, err
 	}
 	if len(produced) > 0 {
 		topic := message.PublishTopicFromCtx(ctx)
 		if topic == "" {
-			return false, fmt.Errorf("inbox: the handler returned %d message(s) but has no publish topic; write them with the outbox instead", len(produced))
+			return false, false, fmt.Errorf("inbox: the handler returned %d message(s) but has no publish topic; write them with the outbox instead", len(produced))
 		}
 		if err := ib.cfg.Outbox.Publish(ctx, tx, topic, produced...); err != nil {
-			return false, err
+			return false, false, err
 		}
 	}
 	if ib.cfg.MaxAttempts > 0 {
 		if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.args(sc)...); err != nil {
-			return false, fmt.Errorf("inbox: clear attempts of %s: %w", sc.key, err)
+			return false, false, fmt.Errorf("inbox: clear attempts of %s: %w", sc.key, err)
 		}
 	}
 	failpoint.HitContext(ctx, "inbox.before-commit")
 	if err := tx.Commit(ctx); err != nil {
-		return false, fmt.Errorf("inbox: commit %s: %w", sc.key, err)
+		return false, false, fmt.Errorf("inbox: commit %s: %w", sc.key, err)
 	}
 	failpoint.HitContext(ctx, "inbox.after-commit")
-	return true, nil
+	return true, false, nil
 }
 
 // kill moves msg to the dead-letter table and marks it dead in the inbox, in one transaction, so a
@@ -438,6 +500,8 @@ func (ib *Inbox) forgetAttempts(ctx context.Context, sc scope) {
 	if ib.cfg.MaxAttempts <= 0 {
 		return
 	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+	defer cancel()
 	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.deleteAttempts, ib.args(sc)...); err != nil {
 		fields := sc.logFields()
 		fields["error"] = err.Error()

@@ -3,13 +3,13 @@ package inbox
 import "github.com/txbox/txbox/internal/sqlname"
 
 type queries struct {
-	countAttempt, recordError, deleteAttempts, insertInbox, insertDead string
+	countAttempt, endAttempt, deleteAttempts, insertInbox, insertDead string
 }
 
 func renderQueries(schema string) queries {
 	return queries{
 		countAttempt:   sqlname.Render(countAttemptSQL, schema),
-		recordError:    sqlname.Render(recordErrorSQL, schema),
+		endAttempt:     sqlname.Render(endAttemptSQL, schema),
 		deleteAttempts: sqlname.Render(deleteAttemptsSQL, schema),
 		insertInbox:    sqlname.Render(insertInboxSQL, schema),
 		insertDead:     sqlname.Render(insertDeadSQL, schema),
@@ -45,8 +45,11 @@ WHERE NOT EXISTS (SELECT 1 FROM {schema}.txbox_inbox WHERE consumer = $1 AND ded
 ON CONFLICT (consumer, dedup_key, handler) DO UPDATE SET attempts = a.attempts + 1, last_at = now()
 RETURNING attempts, last_error`
 
-const recordErrorSQL = `
-UPDATE {schema}.txbox_inbox_attempt SET last_error = left($6, 4000)
+// endAttemptSQL gives back $6 attempts (1 after a transient failure, else 0) and records the last
+// error $7 when it is not NULL.
+const endAttemptSQL = `
+UPDATE {schema}.txbox_inbox_attempt
+SET attempts = greatest(attempts - $6::integer, 0), last_error = coalesce(left($7::text, 4000), last_error)
 FROM ` + bounds + `
 WHERE consumer = $1 AND dedup_key = $2 AND handler = $3`
 
