@@ -135,13 +135,16 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 		method = http.MethodPost
 	}
 	if method != http.MethodPost && method != http.MethodDelete {
-		return "", fmt.Errorf("%w: method %q: want POST or DELETE", ErrInvalidCall, c.Method)
+		return "", fmt.Errorf("%w: Call.Method %q: want POST or DELETE", ErrInvalidCall, c.Method)
 	}
 	if err := checkPath(c.Path); err != nil {
 		return "", err
 	}
 	if strings.ContainsFunc(c.StripeAccount, notPrintable) || strings.TrimSpace(c.StripeAccount) != c.StripeAccount {
-		return "", fmt.Errorf("%w: StripeAccount %q is not a header value", ErrInvalidCall, c.StripeAccount)
+		return "", fmt.Errorf("%w: Call.StripeAccount %q is not a header value", ErrInvalidCall, c.StripeAccount)
+	}
+	if err := checkCallText(c); err != nil {
+		return "", err
 	}
 	payload, err := json.Marshal(CallRequest{
 		Provider: ProviderStripe, Name: c.Name, Method: method, Path: c.Path,
@@ -156,9 +159,6 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 
 	md := make(message.Metadata, len(c.Metadata)+1)
 	for k, v := range c.Metadata {
-		if k == reservedMetadata {
-			return "", fmt.Errorf("%w: %s: metadata key %s is reserved", ErrInvalidCall, key, reservedMetadata)
-		}
 		md[k] = v
 	}
 	otel.GetTextMapPropagator().Inject(ctx, propagation.MapCarrier(md))
@@ -184,10 +184,10 @@ func callKey(ctx context.Context, c Call) (string, error) {
 		k := c.IdempotencyKey
 		switch {
 		case len(k) > MaxIdempotencyKeyLength:
-			return "", fmt.Errorf("%w: idempotency key of %d characters is over Stripe's limit of %d", ErrInvalidCall, len(k), MaxIdempotencyKeyLength)
+			return "", fmt.Errorf("%w: Call.IdempotencyKey of %d characters is over Stripe's limit of %d", ErrInvalidCall, len(k), MaxIdempotencyKeyLength)
 		case strings.TrimSpace(k) != k, strings.ContainsFunc(k, notPrintable):
 			// stripe-go trims the header value, and Stripe would see another key than the one stored.
-			return "", fmt.Errorf("%w: idempotency key %q must be printable ASCII without leading or trailing spaces", ErrInvalidCall, k)
+			return "", fmt.Errorf("%w: Call.IdempotencyKey %q must be printable ASCII without leading or trailing spaces", ErrInvalidCall, k)
 		}
 		return k, nil
 	}
@@ -201,18 +201,42 @@ func callKey(ctx context.Context, c Call) (string, error) {
 	return IdempotencyKey(src, c.Name), nil
 }
 
+// checkCallText checks the call's free text as Publish checks a message's: the name and the
+// parameters go into the stored request (JSON would rewrite invalid UTF-8 in them, and the key is
+// derived from the name as given), the reply topic, partition key and metadata into columns.
+func checkCallText(c Call) error {
+	for _, f := range []struct{ what, value string }{
+		{"Call.Name", c.Name}, {"Call.ReplyTopic", c.ReplyTopic}, {"Call.PartitionKey", c.PartitionKey},
+	} {
+		if err := checkText(ErrInvalidCall, f.what, f.value); err != nil {
+			return err
+		}
+	}
+	for k, vs := range c.Params {
+		if err := checkText(ErrInvalidCall, "Call.Params: key", k); err != nil {
+			return err
+		}
+		for _, v := range vs {
+			if err := checkText(ErrInvalidCall, fmt.Sprintf("Call.Params: value of %q", k), v); err != nil {
+				return err
+			}
+		}
+	}
+	return checkMetadata(ErrInvalidCall, "Call.Metadata", c.Metadata)
+}
+
 func checkPath(p string) error {
 	if !strings.HasPrefix(p, "/v1/") || len(p) == len("/v1/") {
-		return fmt.Errorf("%w: path %q: want a Stripe API path such as /v1/charges", ErrInvalidCall, p)
+		return fmt.Errorf("%w: Call.Path %q: want a Stripe API path such as /v1/charges", ErrInvalidCall, p)
 	}
 	for _, r := range p {
 		ok := r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("/_-.", r)
 		if !ok {
-			return fmt.Errorf("%w: path %q: only letters, digits and /_-. are allowed (parameters go in Call.Params)", ErrInvalidCall, p)
+			return fmt.Errorf("%w: Call.Path %q: only letters, digits and /_-. are allowed (parameters go in Call.Params)", ErrInvalidCall, p)
 		}
 	}
 	if strings.Contains(p, "..") || strings.Contains(p, "//") {
-		return fmt.Errorf("%w: path %q is not a plain API path", ErrInvalidCall, p)
+		return fmt.Errorf("%w: Call.Path %q is not a plain API path", ErrInvalidCall, p)
 	}
 	return nil
 }

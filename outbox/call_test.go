@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/internal/pgtest"
@@ -239,4 +240,38 @@ func TestParseCallResult(t *testing.T) {
 	_, err = outbox.ParseCallResult(message.NewMessage("x", []byte(`{"hello":"world"}`)))
 	require.Error(t, err)
 	require.NotEqual(t, outbox.CallUUID("k"), outbox.ReplyUUID("k"))
+}
+
+// Every text field of a call is checked like Publish checks a message's, by the same code: text
+// PostgreSQL cannot store, or that JSON would silently rewrite, is refused with ErrInvalidCall
+// naming the field, instead of a raw database error or a request other than the one written.
+func TestCallRefusesTextItCannotStoreFaithfully(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	source := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", DedupKey: "msg-1"})
+	fields := map[string]func(*outbox.Call, string){
+		"Name":           func(c *outbox.Call, v string) { c.Name = "charge" + v },
+		"Method":         func(c *outbox.Call, v string) { c.Method = "POST" + v },
+		"Path":           func(c *outbox.Call, v string) { c.Path = "/v1/charges" + v },
+		"Params":         func(c *outbox.Call, v string) { c.Params.Set("description", "a"+v) },
+		"Params key":     func(c *outbox.Call, v string) { c.Params.Set("metadata[k"+v+"]", "a") },
+		"StripeAccount":  func(c *outbox.Call, v string) { c.StripeAccount = "acct_1" + v },
+		"ReplyTopic":     func(c *outbox.Call, v string) { c.ReplyTopic = "charges" + v },
+		"PartitionKey":   func(c *outbox.Call, v string) { c.PartitionKey = "order-7" + v },
+		"IdempotencyKey": func(c *outbox.Call, v string) { c.IdempotencyKey = "k" + v },
+		"Metadata":       func(c *outbox.Call, v string) { c.Metadata = map[string]string{"order": "7" + v} },
+		"Metadata key":   func(c *outbox.Call, v string) { c.Metadata = map[string]string{"order" + v: "7"} },
+	}
+	for field, set := range fields {
+		for what, v := range map[string]string{"NUL": "\x00", "invalid UTF-8": "\xff"} {
+			c := charge("charge")
+			set(&c, v)
+			_, err := b.write(t, source, true, c)
+			if !assert.ErrorIs(t, err, outbox.ErrInvalidCall, "%s with %s", field, what) {
+				continue
+			}
+			assert.ErrorContains(t, err, strings.Fields(field)[0], "%s with %s: the error names the field", field, what)
+		}
+	}
+	require.Zero(t, b.rows(t), "nothing was written")
 }
