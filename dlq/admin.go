@@ -146,7 +146,7 @@ type Admin struct {
 }
 
 type adminQueries struct {
-	list, get, count, discard, plan, lockBatch, releaseDead, deleteLetters string
+	list, get, count, discard, plan, lockBatch, releaseDead, recordRedrive, deleteLetters string
 }
 
 // NewAdmin validates cfg and returns an Admin.
@@ -166,7 +166,7 @@ func NewAdmin(cfg AdminConfig) (*Admin, error) {
 		sql: adminQueries{
 			list: r(listSQL), get: r(getSQL), count: r(countSQL), discard: r(discardSQL),
 			plan: r(planSQL), lockBatch: r(lockBatchSQL), releaseDead: r(releaseDeadSQL),
-			deleteLetters: r(deleteLettersSQL),
+			recordRedrive: r(recordRedriveSQL), deleteLetters: r(deleteLettersSQL),
 		},
 	}, nil
 }

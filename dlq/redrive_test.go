@@ -87,6 +87,9 @@ func TestRedriveWritesTheMessageBackThroughTheOutbox(t *testing.T) {
 	require.Zero(t, tb.count(t, "txbox_dlq", "true"))
 	require.Zero(t, tb.count(t, "txbox_inbox", "consumer = 'billing'"), "billing must process the redriven message")
 	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'shipping' AND state = 'done'"), "shipping processed it and must skip the copy")
+	require.Equal(t, 1, tb.count(t, "txbox_redrive", "message_uuid = 'm-1' AND topic = 'orders' AND redriven_at > now() - interval '1 minute'"),
+		"the redrive is recorded, so retention keeps shipping's row for the copy")
+	require.Equal(t, 1, tb.count(t, "txbox_redrive", "true"), "a relay letter was never delivered to a consumer")
 }
 
 func TestRedriveNeverReleasesADoneRow(t *testing.T) {

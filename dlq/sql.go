@@ -97,4 +97,12 @@ DELETE FROM {schema}.txbox_inbox AS i
 USING unnest($1::text[], $2::text[], $3::text[]) AS k(consumer, handler, dedup_key)
 WHERE i.consumer = k.consumer AND i.dedup_key = k.dedup_key AND i.handler = k.handler AND i.state = 'dead'`
 
+// recordRedriveSQL notes when messages ($1 UUIDs, $2 topics) were redriven, so that retention keeps
+// the inbox rows other consumers have of them (see package retention). One message may come from
+// several consumers' letters in one batch, hence DISTINCT.
+const recordRedriveSQL = `
+INSERT INTO {schema}.txbox_redrive (message_uuid, topic)
+SELECT DISTINCT m.uuid, m.topic FROM unnest($1::text[], $2::text[]) AS m(uuid, topic)
+ON CONFLICT (message_uuid, topic) DO UPDATE SET redriven_at = now()`
+
 const deleteLettersSQL = `DELETE FROM {schema}.txbox_dlq WHERE id = ANY($1)`

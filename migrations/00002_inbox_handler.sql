@@ -20,7 +20,21 @@ ALTER TABLE txbox_inbox_attempt DROP CONSTRAINT txbox_inbox_attempt_pkey, ADD PR
 
 ALTER TABLE txbox_dlq ADD COLUMN handler text NOT NULL DEFAULT '';
 
+-- Messages redriven from the DLQ: the redriven copy can be delivered again for the broker's whole
+-- retention, so retention keeps every consumer's inbox rows of the message (by its UUID and topic)
+-- for InboxRetention from the redrive, not from their first receipt. It moves such rows' received_at
+-- forward when they come due, rather than the redrive doing it: finding them by message UUID would
+-- need an index on every inbox insert.
+CREATE TABLE txbox_redrive (
+    message_uuid text        NOT NULL,
+    topic        text        NOT NULL,
+    redriven_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (message_uuid, topic)
+);
+
 -- +goose Down
+DROP TABLE txbox_redrive;
+
 -- Back to one row per (consumer, dedup key): of several handlers' rows one is kept, so the older
 -- version skips the message for the whole consumer, as it did before.
 DELETE FROM txbox_inbox AS a USING txbox_inbox AS b

@@ -260,7 +260,7 @@ func TestRunOnceReportsTableSizes(t *testing.T) {
 		names = append(names, s.Table)
 		require.Positive(t, s.TotalBytes, s.Table)
 	}
-	require.Equal(t, []string{"txbox_outbox", "txbox_inbox", "txbox_inbox_attempt", "txbox_dlq", "txbox_call_result"}, names)
+	require.Equal(t, []string{"txbox_outbox", "txbox_inbox", "txbox_inbox_attempt", "txbox_dlq", "txbox_redrive", "txbox_call_result"}, names)
 	require.Contains(t, tb.log.String(), "txbox_inbox_bytes=")
 }
 
