@@ -1,6 +1,7 @@
 package inbox_test
 
 import (
+	"context"
 	"errors"
 	"testing"
 	"time"
@@ -94,4 +95,34 @@ func TestTimeoutsAreValidated(t *testing.T) {
 	}
 	_, err := inbox.New(inbox.Config{DB: b.env.Pool, Consumer: "billing", Schema: b.env.Schema, LockTimeout: -1, IdleInTransactionTimeout: -1}, nil)
 	require.NoError(t, err, "negative: no limit")
+}
+
+// A handler that freezes on a message every time, past the idle timeout, is like one that crashes:
+// each freeze uses up an attempt, and the message reaches the dead-letter table.
+func TestAMessageThatFreezesItsHandlerEveryTimeIsDeadLettered(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *inbox.Config) { c.IdleInTransactionTimeout, c.MaxAttempts = 200*time.Millisecond, 2 })
+	h := b.inbox.Middleware(b.handler(func(msg *message.Message) error {
+		tx, _ := inbox.TxFromContext(msg.Context())
+		var pid int
+		if err := tx.QueryRow(msg.Context(), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+			return err
+		}
+		// Frozen until PostgreSQL has ended the session.
+		require.Eventually(t, func() bool {
+			var alive bool
+			err := b.env.Pool.QueryRow(context.Background(), "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", pid).Scan(&alive)
+			return err == nil && !alive
+		}, 10*time.Second, 20*time.Millisecond)
+		return nil
+	}))
+	msg := newMessage()
+	for range 2 {
+		var ended *pgconn.PgError
+		require.ErrorAs(t, deliver(h, msg), &ended)
+		require.Equal(t, "25P03", ended.Code)
+	}
+	require.NoError(t, deliver(h, msg))
+	require.Equal(t, 1, b.count(t, "txbox_dlq", "reason = $1", inbox.ReasonAttemptsExhausted))
+	require.Zero(t, b.count(t, "effects", ""))
 }

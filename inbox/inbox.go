@@ -326,11 +326,14 @@ func (ib *Inbox) endAttempt(ctx context.Context, sc scope, transient bool, cause
 // An idle-in-transaction timeout (25P03) is not transient: a handler that freezes on a message
 // every time must bring it to the dead-letter table, like one that crashes.
 func isTransient(ctx context.Context, tx pgx.Tx, err error) bool {
-	if errors.Is(ctx.Err(), context.Canceled) || tx.Conn().IsClosed() {
-		return true
-	}
 	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
+	isPg := errors.As(err, &pgErr)
+	switch {
+	case isPg && pgErr.Code == "25P03": // idle_in_transaction_session_timeout; the connection is closed too
+		return false
+	case errors.Is(ctx.Err(), context.Canceled), tx.Conn().IsClosed():
+		return true
+	case !isPg:
 		return false
 	}
 	switch pgErr.Code {
