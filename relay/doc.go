@@ -49,6 +49,9 @@
 // at most one message per partition key, so a record sarama gives up on never has a later message
 // of its key in flight beside it.
 //
+// Admin shows operators the backlog per shard and the pending rows, and moves a row to the
+// dead-letter table by hand (Admin.Bury), locking the shard's lease row like the relay does.
+//
 // # Side-effect calls
 //
 // With Config.Calls set, each shard lease runs a call worker beside its message worker. For each

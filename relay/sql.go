@@ -1,6 +1,10 @@
 package relay
 
-import "github.com/txbox/txbox/internal/sqlname"
+import (
+	"strings"
+
+	"github.com/txbox/txbox/internal/sqlname"
+)
 
 // setBounds bounds, for the rest of a transaction, how long a statement waits for a lock ($1), how
 // long a statement runs ($2), and how long the session may sit idle inside the transaction before
@@ -113,5 +117,57 @@ func renderQueries(schema string) queries {
 			(idempotency_key, call_uuid, outcome, http_status, object_id, body, attempts, duration_ms, first_attempt_at)
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
 			ON CONFLICT (idempotency_key) DO NOTHING`),
+	}
+}
+
+// adminQueries are the statements of Admin.
+type adminQueries struct {
+	backlog, list, get, lockLeaseOf, deleteRow string
+}
+
+// adminLayout is the shard layout an admin query groups rows by: $1, or when it is NULL the lease
+// table's (the running relays'), or 16 when the table is empty.
+const adminLayout = `WITH layout AS (SELECT coalesce($1::int, (SELECT max(shards) FROM {schema}.txbox_lease), 16) AS n) `
+
+// rowColumns is the column list of the admin's row queries, in scanRow's order; {payload} is
+// "payload", or "NULL::bytea" to leave it out.
+const rowColumns = `id, kind, slot % layout.n, topic, partition_key, uuid, coalesce(idempotency_key, ''), metadata::text,
+	{payload}, octet_length(payload), attempts, first_attempt_at,
+	CASE WHEN next_attempt_at > now() THEN next_attempt_at END, coalesce(last_error, ''), created_at,
+	(extract(epoch FROM now() - created_at) * 1000)::bigint`
+
+func renderAdminQueries(schema string) adminQueries {
+	r := func(s string) string { return sqlname.Render(s, schema) }
+	columns := func(payload string) string { return strings.ReplaceAll(rowColumns, "{payload}", payload) }
+	return adminQueries{
+		// Every shard of the layout, empty ones included, with the relay that holds a live lease
+		// on it.
+		backlog: r(adminLayout + `
+			SELECT s.shard, coalesce(b.messages, 0), coalesce(b.calls, 0), coalesce(b.failing, 0), coalesce(b.oldest_ms, 0),
+				coalesce(l.owner, '')
+			FROM layout CROSS JOIN generate_series(0, layout.n - 1) AS s(shard)
+			LEFT JOIN (SELECT o.slot % layout.n AS shard,
+					count(*) FILTER (WHERE o.kind = 'message') AS messages, count(*) FILTER (WHERE o.kind = 'call') AS calls,
+					count(*) FILTER (WHERE o.last_error IS NOT NULL) AS failing,
+					(extract(epoch FROM now() - min(o.created_at)) * 1000)::bigint AS oldest_ms
+				FROM {schema}.txbox_outbox AS o CROSS JOIN layout GROUP BY 1) AS b ON b.shard = s.shard
+			LEFT JOIN {schema}.txbox_lease AS l ON l.shard = s.shard AND l.shards = layout.n AND l.owner IS NOT NULL AND l.expires_at > now()
+			ORDER BY s.shard`),
+		// Filters, each NULL when open: $2 shards, $3 kind, $4 topic, $5 partition key, $6 failing
+		// only, $7 older than (ms); then $8 the id to start after and $9 the limit.
+		list: r(adminLayout + `SELECT ` + columns("NULL::bytea") + `
+			FROM {schema}.txbox_outbox CROSS JOIN layout
+			WHERE ($2::int[] IS NULL OR slot % layout.n = ANY($2))
+			  AND ($3::text IS NULL OR kind = $3) AND ($4::text IS NULL OR topic = $4)
+			  AND ($5::text IS NULL OR partition_key = $5) AND (NOT $6::bool OR last_error IS NOT NULL)
+			  AND ($7::bigint IS NULL OR created_at <= now() - $7 * interval '1 millisecond')
+			  AND id > $8
+			ORDER BY id LIMIT $9`),
+		get: r(adminLayout + `SELECT ` + columns("payload") + ` FROM {schema}.txbox_outbox CROSS JOIN layout WHERE id = $2`),
+		// The lease row of the shard that outbox row $1 belongs to, in whatever layout the table
+		// holds, locked as the relay's fenced transactions lock it.
+		lockLeaseOf: r(`SELECT l.shard FROM {schema}.txbox_lease AS l JOIN {schema}.txbox_outbox AS o ON l.shard = o.slot % l.shards
+			WHERE o.id = $1 FOR UPDATE OF l`),
+		deleteRow: r(`DELETE FROM {schema}.txbox_outbox WHERE id = $1`),
 	}
 }
