@@ -224,6 +224,7 @@ func TestUsageErrors(t *testing.T) {
 		{args: []string{"retention", "--broker-retention", "15d"}, want: []string{"--inbox-retention / TXBOX_INBOX_RETENTION (15d) must be longer than --broker-retention / TXBOX_BROKER_RETENTION (15d)"}},
 		{args: append(retention, "--batch-size", "0"), want: []string{"--batch-size / TXBOX_RETENTION_BATCH_SIZE must be a whole number from 1 to 100000"}},
 		{args: append(retention, "--call-result-retention", "-1h"), want: []string{"--call-result-retention / TXBOX_CALL_RESULT_RETENTION must be a duration"}},
+		{args: append(retention, "--call-result-retention", "12h"), want: []string{"--call-result-retention / TXBOX_CALL_RESULT_RETENTION must be a duration from 1d"}},
 
 		// dlq.
 		{args: []string{"dlq", "list", "--source", "kafka"}, want: []string{`--source must be one of inbox, relay, got "kafka"`}},
