@@ -135,7 +135,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 		sql:     renderQueries(schema),
 		dead:    dead,
 		logger:  logger.With(watermill.LogFields{"consumer": cfg.Consumer}),
-		metrics: metrics.NewInbox(cfg.Registerer),
+		metrics: metrics.NewInbox(cfg.Registerer, cfg.Schema),
 		tokens:  map[stream]int64{},
 	}, nil
 }

@@ -176,7 +176,7 @@ func (l *lease) runCalls() bool {
 		r.log.Error("cannot execute calls", "shard", l.shard, "error", err)
 		return false
 	}
-	c := &caller{l: l, cfg: cfg, client: newStripeClient(&cfg), replies: replies, m: metrics.NewCalls(r.cfg.Registerer)}
+	c := &caller{l: l, cfg: cfg, client: newStripeClient(&cfg), replies: replies, m: metrics.NewCalls(r.cfg.Registerer, r.cfg.Schema)}
 	for {
 		select {
 		case <-l.stop:

@@ -150,7 +150,7 @@ func New(cfg Config) (*Relay, error) {
 		sql:     renderQueries(schema),
 		dead:    dead,
 		log:     cfg.Logger.With("relay", cfg.Owner),
-		metrics: metrics.NewRelay(cfg.Registerer),
+		metrics: metrics.NewRelay(cfg.Registerer, cfg.Schema),
 		held:    map[int]*lease{},
 	}, nil
 }
@@ -177,6 +177,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		return err
 	}
 	r.log.Info("relay started", "shards", r.cfg.Shards, "lease_ttl", r.cfg.LeaseTTL)
+	r.metrics.LeaseTTL.Set(r.cfg.LeaseTTL.Seconds())
 
 	statsDone := make(chan struct{})
 	go func() {
@@ -294,7 +295,6 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) {
 	if _, err := r.cfg.DB.Exec(ctx, r.sql.pruneNodes); err != nil {
 		r.logDB("prune relays", err)
 	}
-	r.metrics.ShardsHeld.Set(float64(len(r.Shards())))
 }
 
 func (r *Relay) renew(ctx context.Context, ttl int64) error {
@@ -347,6 +347,7 @@ func (r *Relay) start(ctx context.Context, l *lease, lost chan<- *lease) {
 	r.mu.Lock()
 	r.held[l.shard] = l
 	r.mu.Unlock()
+	r.metrics.ShardsHeld.Inc()
 	r.log.Info("lease acquired", "shard", l.shard, "token", l.token)
 	go func() {
 		defer close(l.done)
@@ -386,6 +387,7 @@ func (r *Relay) forget(l *lease) bool {
 	}
 	delete(r.held, l.shard)
 	close(l.forgotten)
+	r.metrics.ShardsHeld.Dec()
 	return true
 }
 
@@ -441,7 +443,6 @@ func (r *Relay) shutdown() {
 	if _, err := r.cfg.DB.Exec(ctx, r.sql.forgetNode, r.cfg.Owner); err != nil {
 		r.log.Warn("could not deregister relay", "error", err)
 	}
-	r.metrics.ShardsHeld.Set(0)
 }
 
 // reportStats refreshes the backlog and dead-letter gauges.
@@ -460,6 +461,7 @@ func (r *Relay) reportStats(ctx context.Context) {
 				r.metrics.DLQDepth.WithLabelValues(string(source)).Set(float64(d.Count))
 				r.metrics.DLQAge.WithLabelValues(string(source)).Set(d.OldestAgeSeconds)
 			}
+			r.metrics.StatsTime.SetToCurrentTime()
 		}
 		select {
 		case <-ctx.Done():
