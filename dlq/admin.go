@@ -46,6 +46,8 @@ type Filter struct {
 	Topic string
 	// Consumer selects the letters of one consumer (inbox letters).
 	Consumer string
+	// Handler selects the letters of one router handler (inbox letters).
+	Handler string
 	// Reason selects letters whose reason contains it, ignoring case.
 	Reason string
 	// OlderThan selects letters that first failed at least this long ago, by the database's clock.
@@ -64,7 +66,7 @@ type Filter struct {
 // IsEmpty reports whether f has no condition, so that it selects every letter. Limit does not count:
 // "the first 1000 letters" is an arbitrary choice, not a selection.
 func (f Filter) IsEmpty() bool {
-	return f.Source == "" && f.Kind == "" && f.Topic == "" && f.Consumer == "" && f.Reason == "" &&
+	return f.Source == "" && f.Kind == "" && f.Topic == "" && f.Consumer == "" && f.Handler == "" && f.Reason == "" &&
 		f.OlderThan == 0 && f.YoungerThan == 0 && len(f.IDs) == 0
 }
 
@@ -91,7 +93,7 @@ type window struct {
 	limit         int
 }
 
-// args returns the parameters of filterSQL and the limit ($1…$12).
+// args returns the parameters of filterSQL and the limit ($1…$13).
 func (f Filter) args(w window) []any {
 	opt := func(s string) any {
 		if s == "" {
@@ -114,7 +116,7 @@ func (f Filter) args(w window) []any {
 	}
 	return []any{
 		opt(string(f.Source)), opt(f.Kind), opt(f.Topic), opt(f.Consumer), opt(f.Reason),
-		micros(f.OlderThan), micros(f.YoungerThan), w.asOf, ids, w.after, w.atMost, limit,
+		micros(f.OlderThan), micros(f.YoungerThan), w.asOf, ids, w.after, w.atMost, limit, opt(f.Handler),
 	}
 }
 
@@ -144,7 +146,7 @@ type Admin struct {
 }
 
 type adminQueries struct {
-	list, get, count, discard, plan, lockBatch, releaseDead, deleteLetters string
+	list, get, count, discard, plan, lockBatch, releaseDead, recordRedrive, deleteLetters string
 }
 
 // NewAdmin validates cfg and returns an Admin.
@@ -164,7 +166,7 @@ func NewAdmin(cfg AdminConfig) (*Admin, error) {
 		sql: adminQueries{
 			list: r(listSQL), get: r(getSQL), count: r(countSQL), discard: r(discardSQL),
 			plan: r(planSQL), lockBatch: r(lockBatchSQL), releaseDead: r(releaseDeadSQL),
-			deleteLetters: r(deleteLettersSQL),
+			recordRedrive: r(recordRedriveSQL), deleteLetters: r(deleteLettersSQL),
 		},
 	}, nil
 }
@@ -248,7 +250,7 @@ func scanLetter(row pgx.Row) (Letter, error) {
 		source string
 		meta   string
 	)
-	err := row.Scan(&l.ID, &source, &l.Kind, &l.Topic, &l.Consumer, &l.DedupKey, &l.PartitionKey, &l.UUID,
+	err := row.Scan(&l.ID, &source, &l.Kind, &l.Topic, &l.Consumer, &l.Handler, &l.DedupKey, &l.PartitionKey, &l.UUID,
 		&l.Payload, &meta, &l.IdempotencyKey, &l.Reason, &l.Error, &l.Attempts, &l.FirstFailedAt, &l.LastFailedAt)
 	if err != nil {
 		return Letter{}, err

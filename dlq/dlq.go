@@ -30,8 +30,11 @@ type Entry struct {
 	// Topic is where the message was consumed from (source "inbox") or was to be published to
 	// (source "relay"); a redrive publishes it there. For a call it is the reply topic.
 	Topic string
-	// Consumer and DedupKey identify the consumer's inbox row; empty for relay letters.
+	// Consumer, Handler and DedupKey identify the consumer's inbox row: Handler is the router
+	// handler that gave up on the message ("" outside a router, and for letters written before
+	// deduplication was per handler). All three are empty for relay letters.
 	Consumer       string
+	Handler        string
 	DedupKey       string
 	PartitionKey   string
 	UUID           string
@@ -90,7 +93,7 @@ func (w *Writer) Add(ctx context.Context, tx Execer, e Entry) error {
 		payload = []byte{}
 	}
 	_, err = tx.Exec(ctx, w.insert, string(e.Source), kind, e.Topic, e.Consumer, e.DedupKey, pgtext.Sanitize(e.PartitionKey),
-		pgtext.Sanitize(e.UUID), payload, string(metaJSON), idem, e.Reason, pgtext.Sanitize(e.Error), e.Attempts)
+		pgtext.Sanitize(e.UUID), payload, string(metaJSON), idem, e.Reason, pgtext.Sanitize(e.Error), e.Attempts, e.Handler)
 	if err != nil {
 		return fmt.Errorf("dlq: add %s letter for %s: %w", e.Source, e.UUID, err)
 	}

@@ -10,7 +10,7 @@
 // # Inspecting
 //
 // Admin.List, Admin.Get and Admin.Count read letters; a Filter selects them by source, kind,
-// topic, consumer, reason (a case-insensitive substring), age and id. Ages are measured from a
+// topic, consumer, handler, reason (a case-insensitive substring), age and id. Ages are measured from a
 // letter's first failure, by the database's clock. Stats gives the depth per source for metrics.
 //
 // # Redriving
@@ -25,7 +25,8 @@
 // Each small batch is one transaction that locks its letters with FOR UPDATE SKIP LOCKED (two
 // redrives never move one letter twice), writes the messages with outbox.Writer.Publish to their
 // topics with the same UUID, payload, metadata and partition key, deletes the 'dead' inbox rows of
-// inbox letters, and deletes the letters. A redriven message reaches every consumer of its topic
+// inbox letters (the row of the letter's consumer, handler and dedup key, no other), and deletes
+// the letters. A redriven message reaches every consumer of its topic
 // again: the consumer that gave up on it has lost its 'dead' row and processes it; consumers that
 // processed it have a 'done' row and skip it. That is why the inbox must remember processed
 // messages for longer than letters wait in the DLQ (see package retention).

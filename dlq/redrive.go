@@ -90,6 +90,11 @@ type DB interface {
 // again on their way back, wait for the next run. Letters are moved in id order; two redrives
 // running at once share the work but do not keep each other's order.
 //
+// The redriven copy of an inbox letter reaches every consumer of its topic again, for as long as
+// the broker keeps it. Redrive records the message's UUID and topic with the time, in the same
+// transaction, and retention keeps every consumer's inbox rows of the message for its
+// InboxRetention from then (see package retention).
+//
 // Side-effect calls are refused (ErrCallNotRedrivable) before anything moves. An empty filter is
 // refused unless Filter.All is set (ErrEmptyFilter).
 func (a *Admin) Redrive(ctx context.Context, db DB, f Filter, opts RedriveOptions) (RedriveResult, error) {
@@ -225,11 +230,12 @@ func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window
 	}
 
 	var (
-		ids                  = make([]int64, len(letters))
-		consumers, dedupKeys []string
-		byTopic              = map[string][]*message.Message{}
-		topics               []string
-		idsByTopic           = map[string][]int64{}
+		ids                            = make([]int64, len(letters))
+		consumers, handlers, dedupKeys []string
+		uuids, uuidTopics              []string
+		byTopic                        = map[string][]*message.Message{}
+		topics                         []string
+		idsByTopic                     = map[string][]int64{}
 	)
 	for i, l := range letters {
 		if l.Kind == "call" {
@@ -239,7 +245,10 @@ func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window
 		ids[i] = l.ID
 		if l.Source == SourceInbox && l.Consumer != "" {
 			consumers = append(consumers, l.Consumer)
+			handlers = append(handlers, l.Handler)
 			dedupKeys = append(dedupKeys, l.DedupKey)
+			uuids = append(uuids, l.UUID)
+			uuidTopics = append(uuidTopics, l.Topic)
 		}
 		msg := message.NewMessage(l.UUID, l.Payload)
 		for k, v := range l.Metadata {
@@ -265,11 +274,14 @@ func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window
 		}
 	}
 	if len(consumers) > 0 {
-		tag, err := tx.Exec(ctx, a.sql.releaseDead, consumers, dedupKeys)
+		tag, err := tx.Exec(ctx, a.sql.releaseDead, consumers, handlers, dedupKeys)
 		if err != nil {
 			return 0, 0, 0, fmt.Errorf("release inbox rows: %w", err)
 		}
 		released = int(tag.RowsAffected())
+		if _, err := tx.Exec(ctx, a.sql.recordRedrive, uuids, uuidTopics); err != nil {
+			return 0, 0, 0, fmt.Errorf("record the redrive: %w", err)
+		}
 	}
 	if _, err := tx.Exec(ctx, a.sql.deleteLetters, ids); err != nil {
 		return 0, 0, 0, fmt.Errorf("delete letters: %w", err)

@@ -87,6 +87,9 @@ func TestRedriveWritesTheMessageBackThroughTheOutbox(t *testing.T) {
 	require.Zero(t, tb.count(t, "txbox_dlq", "true"))
 	require.Zero(t, tb.count(t, "txbox_inbox", "consumer = 'billing'"), "billing must process the redriven message")
 	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'shipping' AND state = 'done'"), "shipping processed it and must skip the copy")
+	require.Equal(t, 1, tb.count(t, "txbox_redrive", "message_uuid = 'm-1' AND topic = 'orders' AND redriven_at > now() - interval '1 minute'"),
+		"the redrive is recorded, so retention keeps shipping's row for the copy")
+	require.Equal(t, 1, tb.count(t, "txbox_redrive", "true"), "a relay letter was never delivered to a consumer")
 }
 
 func TestRedriveNeverReleasesADoneRow(t *testing.T) {
@@ -103,6 +106,38 @@ func TestRedriveNeverReleasesADoneRow(t *testing.T) {
 	require.Equal(t, 1, res.Moved)
 	require.Zero(t, res.Released)
 	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'billing' AND dedup_key = 'm-1' AND state = 'done'"))
+}
+
+// Deduplication is per handler: a letter names the handler that gave up, and a redrive releases
+// exactly that handler's dead row. Another handler of the consumer that processed the message, or
+// that gave up on it too and still has its letter waiting, keeps its row.
+func TestRedriveReleasesExactlyTheHandlersDeadRow(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	charge := tb.add(t, dlq.Entry{UUID: "m-1", Consumer: "billing", Handler: "charge", DedupKey: "m-1"})
+	tb.add(t, dlq.Entry{UUID: "m-1", Consumer: "billing", Handler: "audit", DedupKey: "m-1"})
+	for handler, state := range map[string]string{"charge": "dead", "audit": "dead", "email": "done"} {
+		_, err := tb.env.Pool.Exec(ctx, `INSERT INTO `+tb.env.Q("txbox_inbox")+` (consumer, dedup_key, handler, message_uuid, topic, state)
+			VALUES ('billing', 'm-1', $1, 'm-1', 'orders', $2)`, handler, state)
+		require.NoError(t, err)
+	}
+
+	letters, err := tb.admin.List(ctx, tb.env.Pool, dlq.Filter{Handler: "charge"})
+	require.NoError(t, err)
+	require.Len(t, letters, 1)
+	require.Equal(t, charge, letters[0].ID)
+	require.Equal(t, "charge", letters[0].Handler)
+	require.False(t, dlq.Filter{Handler: "charge"}.IsEmpty())
+
+	res, err := tb.admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Consumer: "billing", Handler: "charge"}, dlq.RedriveOptions{Rate: rate.Inf})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Moved)
+	require.Equal(t, 1, res.Released)
+	require.Zero(t, tb.count(t, "txbox_inbox", "handler = 'charge'"))
+	require.Equal(t, 1, tb.count(t, "txbox_inbox", "handler = 'audit' AND state = 'dead'"), "its letter still waits")
+	require.Equal(t, 1, tb.count(t, "txbox_inbox", "handler = 'email' AND state = 'done'"))
+	require.Equal(t, 1, tb.count(t, "txbox_dlq", "handler = 'audit'"))
 }
 
 func TestRedriveConcurrentRedrivesMoveEachLetterOnce(t *testing.T) {

@@ -2,8 +2,8 @@ package dlq
 
 const insertSQL = `
 INSERT INTO {schema}.txbox_dlq
-    (source, kind, topic, consumer, dedup_key, partition_key, uuid, payload, metadata, idempotency_key, reason, error, attempts)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12, $13)`
+    (source, kind, topic, consumer, dedup_key, partition_key, uuid, payload, metadata, idempotency_key, reason, error, attempts, handler)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12, $13, $14)`
 
 const statsSQL = `
 SELECT count(*) FILTER (WHERE source = 'inbox'),
@@ -14,7 +14,7 @@ FROM {schema}.txbox_dlq`
 
 // letterColumns is the column list every query that returns whole letters selects, in scanLetter's
 // order.
-const letterColumns = `id, source, kind, topic, consumer, dedup_key, partition_key, uuid, payload, metadata::text,
+const letterColumns = `id, source, kind, topic, consumer, handler, dedup_key, partition_key, uuid, payload, metadata::text,
     coalesce(idempotency_key, ''), reason, error, attempts, first_failed_at, last_failed_at`
 
 // filterSQL is the WHERE clause of a Filter. Every condition is a parameter that is NULL when the
@@ -23,12 +23,14 @@ const letterColumns = `id, source, kind, topic, consumer, dedup_key, partition_k
 //
 // Parameters: $1 source, $2 kind, $3 topic, $4 consumer, $5 reason substring, $6 older-than and $7
 // younger-than in microseconds, $8 reference time, $9 ids; then $10 and $11 bound the ids
-// (id > $10, id <= $11) and $12 is the limit (NULL: none, as LIMIT NULL is LIMIT ALL).
+// (id > $10, id <= $11) and $12 is the limit (NULL: none, as LIMIT NULL is LIMIT ALL); $13 is the
+// handler.
 const filterSQL = `
     ($1::text IS NULL OR source = $1)
     AND ($2::text IS NULL OR kind = $2)
     AND ($3::text IS NULL OR topic = $3)
     AND ($4::text IS NULL OR consumer = $4)
+    AND ($13::text IS NULL OR handler = $13)
     AND ($5::text IS NULL OR strpos(lower(reason), lower($5)) > 0)
     AND ($6::bigint IS NULL OR first_failed_at <= coalesce($8::timestamptz, now()) - $6 * interval '1 microsecond')
     AND ($7::bigint IS NULL OR first_failed_at > coalesce($8::timestamptz, now()) - $7 * interval '1 microsecond')
@@ -86,12 +88,21 @@ ORDER BY id
 LIMIT $12
 FOR UPDATE SKIP LOCKED`
 
-// releaseDeadSQL deletes the 'dead' inbox rows of redriven letters so their consumers process the
-// messages again. Only 'dead': a 'done' row means the consumer processed the message, and the
-// redriven copy must stay a duplicate for it.
+// releaseDeadSQL deletes the 'dead' inbox rows of redriven letters so their consumers' handlers
+// process the messages again: exactly the row of the letter's consumer, handler and dedup key.
+// Only 'dead': a 'done' row means the handler processed the message, and the redriven copy must
+// stay a duplicate for it.
 const releaseDeadSQL = `
 DELETE FROM {schema}.txbox_inbox AS i
-USING unnest($1::text[], $2::text[]) AS k(consumer, dedup_key)
-WHERE i.consumer = k.consumer AND i.dedup_key = k.dedup_key AND i.state = 'dead'`
+USING unnest($1::text[], $2::text[], $3::text[]) AS k(consumer, handler, dedup_key)
+WHERE i.consumer = k.consumer AND i.dedup_key = k.dedup_key AND i.handler = k.handler AND i.state = 'dead'`
+
+// recordRedriveSQL notes when messages ($1 UUIDs, $2 topics) were redriven, so that retention keeps
+// the inbox rows other consumers have of them (see package retention). One message may come from
+// several consumers' letters in one batch, hence DISTINCT.
+const recordRedriveSQL = `
+INSERT INTO {schema}.txbox_redrive (message_uuid, topic)
+SELECT DISTINCT m.uuid, m.topic FROM unnest($1::text[], $2::text[]) AS m(uuid, topic)
+ON CONFLICT (message_uuid, topic) DO UPDATE SET redriven_at = now()`
 
 const deleteLettersSQL = `DELETE FROM {schema}.txbox_dlq WHERE id = ANY($1)`

@@ -2,8 +2,8 @@
 //
 // # How
 //
-// For each message the middleware opens a PostgreSQL transaction and inserts (consumer, dedup key)
-// into the inbox table with ON CONFLICT DO NOTHING. If the row already exists the message was
+// For each message the middleware opens a PostgreSQL transaction and inserts (consumer, handler,
+// dedup key) into the inbox table with ON CONFLICT DO NOTHING. If the row already exists the message was
 // processed before: it is acknowledged without calling the handler. Otherwise the handler runs with
 // the transaction in its context (TxFromContext); its business writes, the messages it writes with
 // the outbox, and the messages it returns (written into the outbox for the handler's publish topic,
@@ -11,13 +11,31 @@
 // rolls everything back and is returned, so Watermill's retry and nack work as usual.
 //
 // A redelivery that races the first delivery waits on the inbox row's lock and then sees the
-// committed row, so two consumer instances never both run the handler for one message.
+// committed row, so two consumer instances never both run the handler for one message. The wait is
+// bounded by Config.LockTimeout, and a consumer frozen in its handler holds the row for at most
+// Config.IdleInTransactionTimeout: PostgreSQL then ends its session, so its late commit fails and
+// the message is processed once, by another delivery. Both are set in the statement that inserts
+// the inbox row, at no extra round trip.
+//
+// # Scope
+//
+// A message is processed once per consuming handler. The handler is the name of the router handler
+// (message.HandlerNameFromCtx), so an inbox added to a whole router keeps one memory per handler:
+// two handlers on one topic each process every message, and one message id seen on two topics by
+// two handlers is processed by both. Outside a router the handler is "" and the scope is the
+// consumer. A row with handler "" (written outside a router, or before migration 00002 added the
+// handler) settles the message for every handler of its consumer.
 //
 // # Attempts and dead letters
 //
 // With MaxAttempts set, each delivery is counted in its own small transaction before the handler
 // runs. A message that fails, or kills the process, MaxAttempts times is moved to the dead-letter
-// table on its next delivery and acknowledged. A message with no usable id, a payload over the
+// table on its next delivery and acknowledged. A delivery that fails for reasons that are not the
+// message's gives its attempt back: it never reached the handler (a duplicate that gave up waiting
+// on another instance's lock, no connection in time), or it ended in a serialization failure, a
+// deadlock, a lock timeout, a lost connection, a server shutting down, or the cancellation of the
+// delivery's context at shutdown. A handler frozen past IdleInTransactionTimeout counts, like a
+// crash. A message with no usable id, a payload over the
 // limit, or a handler error wrapping ErrUnprocessable goes there at once.
 //
 // # Middleware order

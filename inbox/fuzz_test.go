@@ -2,11 +2,15 @@ package inbox_test
 
 import (
 	"context"
+	"fmt"
+	"maps"
+	"slices"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/txbox/txbox/inbox"
+	"github.com/txbox/txbox/internal/pgtext"
 	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/outbox"
 )
@@ -43,11 +47,23 @@ func FuzzInboxContainsAnyMessage(f *testing.F) {
 		return effects, settled, dead
 	}
 	// Each fuzzing process has a schema of its own, so what it delivered before is what its
-	// inbox has seen. The default dedup key is the UUID.
+	// inbox has seen. The default dedup key is the UUID; a message without a usable one is known
+	// by everything it carries.
 	seen := map[string]bool{}
+	identity := func(msg *message.Message) string {
+		if msg.UUID != "" && pgtext.Valid(msg.UUID) {
+			return "uuid " + msg.UUID
+		}
+		id := fmt.Sprintf("content %q %q", msg.UUID, msg.Payload)
+		for _, k := range slices.Sorted(maps.Keys(msg.Metadata)) {
+			id += fmt.Sprintf(" %q=%q", k, msg.Metadata[k])
+		}
+		return id
+	}
 
 	f.Add("8f14e45f-ceea-467a-9575-7f1c3d9a1e2b", []byte(`{"amount":100}`), "3", "42", "txbox_partition_key", "order-7")
 	f.Add("", []byte("{}"), "", "", "", "")
+	f.Add("", []byte("{}!"), "", "", "", "")
 	f.Add("too-large", make([]byte, 65), "", "", "a", "b")
 	f.Add("bad-shard", []byte("x"), "not-a-number", "7", "", "")
 	f.Add("shard-only", []byte("x"), "1", "", "", "")
@@ -66,6 +82,7 @@ func FuzzInboxContainsAnyMessage(f *testing.F) {
 		}
 		msg.Metadata.Set(key, value)
 
+		id := identity(msg)
 		effects, settled, dead := state(t)
 		calls := handled
 		if err := deliver(h, msg); err != nil {
@@ -74,16 +91,16 @@ func FuzzInboxContainsAnyMessage(f *testing.F) {
 		effects2, settled2, dead2 := state(t)
 		ran := handled - calls
 		switch {
-		case seen[uuid] && ran == 0 && effects2 == effects && settled2 == settled && dead2 == dead:
+		case seen[id] && ran == 0 && effects2 == effects && settled2 == settled && dead2 == dead:
 			// A redelivery of a settled message: nothing happens.
-		case !seen[uuid] && ran == 1 && effects2 == effects+1 && settled2 == settled+1 && dead2 == dead:
+		case !seen[id] && ran == 1 && effects2 == effects+1 && settled2 == settled+1 && dead2 == dead:
 			// Processed, once.
-		case !seen[uuid] && ran == 0 && effects2 == effects && settled2 == settled+1 && dead2 == dead+1:
+		case !seen[id] && ran == 0 && effects2 == effects && settled2 == settled+1 && dead2 == dead+1:
 			// Dead-lettered.
 		default:
 			t.Fatalf("%q (seen before: %v): handler ran %d times, %+d effects, %+d inbox rows, %+d dead letters; want processed once, dead-lettered, or nothing for a redelivery",
-				uuid, seen[uuid], ran, effects2-effects, settled2-settled, dead2-dead)
+				uuid, seen[id], ran, effects2-effects, settled2-settled, dead2-dead)
 		}
-		seen[uuid] = true
+		seen[id] = true
 	})
 }

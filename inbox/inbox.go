@@ -2,11 +2,18 @@ package inbox
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
+	"math"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -46,13 +53,16 @@ type DB interface {
 type Config struct {
 	// DB is the database holding the inbox and the handler's business tables. Required.
 	DB DB
-	// Consumer names the consumer: deduplication is per consumer, so two services reading one topic
-	// each process every message once. Required.
+	// Consumer names the consumer. Deduplication is per consumer and per handler: a message is
+	// processed once by each router handler the inbox wraps (message.HandlerNameFromCtx), so two
+	// services, or two handlers of one router, reading one topic each process every message once.
+	// Outside a router (no handler name) the scope is the consumer alone. Required.
 	Consumer string
 	// Schema is the PostgreSQL schema holding txbox's tables. If not specified, defaults to "public".
 	Schema string
-	// DedupKey returns the key a message is deduplicated by. If not specified, defaults to the
-	// message UUID. An empty key or an error sends the message to the dead-letter table.
+	// DedupKey returns the key a message is deduplicated by, within its consumer and handler. If
+	// not specified, defaults to the message UUID. An empty key or an error sends the message to
+	// the dead-letter table.
 	DedupKey func(*message.Message) (string, error)
 	// MaxAttempts is how many deliveries a message gets before it is moved to the dead-letter table.
 	// Attempts are counted durably, before the handler runs. If not specified, defaults to 10;
@@ -65,21 +75,45 @@ type Config struct {
 	Outbox *outbox.Writer
 	// Delivery says where the broker delivered a message from (for Kafka: its partition and
 	// offset). The inbox tracks fencing tokens per partition with it (see
-	// txbox_superseded_token_messages_total). Kafka consumers set it to kafkasub.Delivery; it is a
-	// function rather than a dependency so that importing the inbox pulls in no Kafka client. If
-	// not specified, fencing tokens are not tracked.
+	// txbox_superseded_token_messages_total), and names a message without a usable id by its
+	// topic, partition and offset, so that each such record gets one dead letter. Kafka consumers
+	// set it to kafkasub.Delivery; it is a function rather than a dependency so that importing the
+	// inbox pulls in no Kafka client. If not specified, fencing tokens are not tracked and a
+	// message without a usable id is named by a hash of its content.
 	Delivery func(ctx context.Context) (partition int32, offset int64, ok bool)
+	// LockTimeout bounds how long a delivery waits for a lock that another delivery of the same
+	// message holds (a second consumer instance still processing it, or one frozen in its
+	// handler): after it the delivery fails with PostgreSQL's lock_not_available and is retried
+	// like any error, without using up an attempt. If not specified, defaults to
+	// DefaultLockTimeout; a negative value waits without limit.
+	LockTimeout time.Duration
+	// IdleInTransactionTimeout bounds how long the handler's transaction may sit idle, no
+	// statement running, before PostgreSQL ends its session and so releases its locks: a consumer
+	// frozen in its handler (a stopped process, a long GC or VM pause, a handler blocked on
+	// something else) holds the message's inbox row at most this long. Its late commit then fails
+	// and another delivery processes the message once. Keep it above the longest pause a healthy
+	// handler makes between statements. If not specified, defaults to
+	// DefaultIdleInTransactionTimeout; a negative value disables it.
+	IdleInTransactionTimeout time.Duration
 	// Registerer receives the inbox's Prometheus metrics. If not specified, they are not registered.
 	Registerer prometheus.Registerer
 }
 
-// DefaultMaxAttempts is Config.MaxAttempts when it is not specified.
-const DefaultMaxAttempts = 10
+// Defaults of Config.
+const (
+	DefaultMaxAttempts              = 10
+	DefaultLockTimeout              = 2 * time.Second
+	DefaultIdleInTransactionTimeout = 30 * time.Second
+)
+
+// maxTimeout is the longest timeout PostgreSQL accepts (INT_MAX milliseconds).
+const maxTimeout = math.MaxInt32 * time.Millisecond
 
 // Inbox is the deduplicating middleware. Create it with New; it is safe for concurrent use.
 type Inbox struct {
 	cfg     Config
 	sql     queries
+	bounds  [2]string // lock_timeout and idle_in_transaction_session_timeout, in milliseconds
 	dead    *dlq.Writer
 	logger  watermill.LoggerAdapter
 	metrics *metrics.Inbox
@@ -115,6 +149,23 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	if cfg.MaxPayloadBytes == 0 {
 		cfg.MaxPayloadBytes = outbox.DefaultMaxPayloadBytes
 	}
+	var timeouts [2]string
+	for i, d := range []struct {
+		name string
+		v    *time.Duration
+		def  time.Duration
+	}{
+		{"LockTimeout", &cfg.LockTimeout, DefaultLockTimeout},
+		{"IdleInTransactionTimeout", &cfg.IdleInTransactionTimeout, DefaultIdleInTransactionTimeout},
+	} {
+		switch {
+		case *d.v == 0:
+			*d.v = d.def
+		case *d.v > 0 && *d.v < time.Millisecond, *d.v > maxTimeout:
+			return nil, fmt.Errorf("inbox: Config.%s must be between 1ms and %s (or negative for no limit), got %s", d.name, maxTimeout, *d.v)
+		}
+		timeouts[i] = strconv.FormatInt(max(d.v.Milliseconds(), 0), 10) // 0 is PostgreSQL's "no limit"
+	}
 	if cfg.DedupKey == nil {
 		cfg.DedupKey = func(m *message.Message) (string, error) { return m.UUID, nil }
 	}
@@ -133,6 +184,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	return &Inbox{
 		cfg:     cfg,
 		sql:     renderQueries(schema),
+		bounds:  timeouts,
 		dead:    dead,
 		logger:  logger.With(watermill.LogFields{"consumer": cfg.Consumer}),
 		metrics: metrics.NewInbox(cfg.Registerer, cfg.Schema),
@@ -156,6 +208,18 @@ func (ib *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
+// scope is what a message is deduplicated by: its consumer, the router handler processing it ("" outside
+// a router) and its dedup key.
+type scope struct {
+	consumer, handler, key string
+}
+
+// args are a statement's parameters: the scope ($1 consumer, $2 dedup key, $3 handler), the
+// bounds ($4, $5), then more from $6 (see sql.go).
+func (ib *Inbox) args(s scope, more ...any) []any {
+	return append([]any{s.consumer, s.key, s.handler, ib.bounds[0], ib.bounds[1]}, more...)
+}
+
 // handle returns nil when the message must be acknowledged: processed now, processed before, or
 // moved to the dead-letter table.
 func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
@@ -163,6 +227,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 	consumer := ib.cfg.Consumer
 	ib.metrics.DedupChecks.WithLabelValues(consumer).Inc()
 
+	sc := scope{consumer: consumer, handler: message.HandlerNameFromCtx(ctx)}
 	key, err := ib.cfg.DedupKey(msg)
 	switch {
 	case err != nil:
@@ -174,15 +239,16 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 		key = ""
 	}
 	if err != nil {
-		return ib.kill(ctx, msg, "", ReasonNoID, err, 0)
+		return ib.kill(ctx, msg, sc, ReasonNoID, err, 0)
 	}
+	sc.key = key
 	if len(msg.Payload) > ib.cfg.MaxPayloadBytes {
-		return ib.kill(ctx, msg, key, ReasonTooLarge,
+		return ib.kill(ctx, msg, sc, ReasonTooLarge,
 			fmt.Errorf("payload of %d bytes is over the %d-byte limit", len(msg.Payload), ib.cfg.MaxPayloadBytes), 0)
 	}
 	shard, token, err := leaseOf(msg)
 	if err != nil {
-		return ib.kill(ctx, msg, key, ReasonBadMetadata, err, 0)
+		return ib.kill(ctx, msg, sc, ReasonBadMetadata, err, 0)
 	}
 	ib.observeToken(ctx, msg, shard, token)
 
@@ -190,7 +256,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 	if ib.cfg.MaxAttempts > 0 {
 		// Counted in its own transaction, before the handler: a crash inside the handler still counts.
 		var lastErr *string
-		err := ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, consumer, key).Scan(&attempts, &lastErr)
+		err := ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, ib.args(sc)...).Scan(&attempts, &lastErr)
 		if errors.Is(err, pgx.ErrNoRows) {
 			ib.metrics.DedupHits.WithLabelValues(consumer).Inc()
 			return nil // Processed (or dead) before: the inbox row exists.
@@ -203,102 +269,166 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 			if lastErr != nil {
 				cause = fmt.Errorf("%d attempts failed, last: %s", attempts-1, *lastErr)
 			}
-			return ib.kill(ctx, msg, key, ReasonAttemptsExhausted, cause, attempts-1)
+			err := ib.kill(ctx, msg, sc, ReasonAttemptsExhausted, cause, attempts-1)
+			if err != nil {
+				ib.endAttempt(ctx, sc, true, err) // This delivery did nothing.
+			}
+			return err
 		}
 	}
 
-	processed, herr := ib.process(ctx, msg, h, key, shard, token)
+	processed, transient, herr := ib.process(ctx, msg, h, sc, shard, token)
 	switch {
 	case herr == nil && !processed:
 		ib.metrics.DedupHits.WithLabelValues(consumer).Inc()
-		ib.forgetAttempts(ctx, key)
+		ib.forgetAttempts(ctx, sc)
 		return nil
 	case herr == nil:
 		ib.metrics.Attempts.WithLabelValues(consumer).Observe(float64(max(attempts, 1)))
 		return nil
 	case errors.Is(herr, ErrUnprocessable):
-		return ib.kill(ctx, msg, key, ReasonUnprocessable, herr, attempts)
+		return ib.kill(ctx, msg, sc, ReasonUnprocessable, herr, attempts)
 	}
 	if ib.cfg.MaxAttempts > 0 {
-		if _, err := ib.cfg.DB.Exec(ctx, ib.sql.recordError, consumer, key, herr.Error()); err != nil {
-			ib.logger.Error("Could not record the handler error", err, watermill.LogFields{"dedup_key": key})
-		}
+		ib.endAttempt(ctx, sc, transient, herr)
 	}
 	return herr
 }
 
-// process runs h in a transaction with the inbox row. processed is false when the row existed.
-func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.HandlerFunc, key string, shard *int32, token *int64) (processed bool, err error) {
+// settleTimeout bounds the bookkeeping after a delivery failed, which runs even when the delivery's
+// context was cancelled.
+const settleTimeout = 5 * time.Second
+
+// endAttempt records how a counted delivery failed. A failure of the message (the handler's error,
+// or a crash, which never gets here) keeps its attempt and becomes the last error. A transient one
+// gives the attempt back, so that only real failures bring a message to the dead-letter table. If
+// the database cannot be reached for this either, the attempt stays used up.
+func (ib *Inbox) endAttempt(ctx context.Context, sc scope, transient bool, cause error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+	defer cancel()
+	giveBack, lastErr := 0, any(cause.Error())
+	if transient {
+		giveBack, lastErr = 1, nil
+	}
+	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.endAttempt, ib.args(sc, giveBack, lastErr)...); err != nil {
+		fields := sc.logFields()
+		fields["transient"] = transient
+		ib.logger.Error("Could not record the end of an attempt", err, fields)
+	}
+}
+
+// isTransient reports whether err, which ended a delivery after its handler was called, is about the
+// database or the process rather than the message, so that a later delivery may well succeed:
+// the delivery was cancelled (shutdown), or PostgreSQL reported a serialization failure, a
+// deadlock, a lock timeout, a lost connection or a server shutting down. The transaction's
+// connection being closed covers connection losses that reach the handler as other errors.
+//
+// An idle-in-transaction timeout (25P03) is not transient: a handler that freezes on a message
+// every time must bring it to the dead-letter table, like one that crashes.
+func isTransient(ctx context.Context, tx pgx.Tx, err error) bool {
+	var pgErr *pgconn.PgError
+	isPg := errors.As(err, &pgErr)
+	switch {
+	case isPg && pgErr.Code == "25P03": // idle_in_transaction_session_timeout; the connection is closed too
+		return false
+	case errors.Is(ctx.Err(), context.Canceled), tx.Conn().IsClosed():
+		return true
+	case !isPg:
+		return false
+	}
+	switch pgErr.Code {
+	case "40001", // serialization_failure
+		"40P01", // deadlock_detected
+		"55P03", // lock_not_available
+		"53300", // too_many_connections
+		"57P01", // admin_shutdown
+		"57P02", // crash_shutdown
+		"57P03": // cannot_connect_now
+		return true
+	}
+	return strings.HasPrefix(pgErr.Code, "08") // connection_exception
+}
+
+func (s scope) logFields() watermill.LogFields {
+	return watermill.LogFields{"handler": s.handler, "dedup_key": s.key}
+}
+
+// process runs h in a transaction with the inbox row. processed is false when the row existed. When
+// it fails, transient says that the failure is not the message's: the handler never ran, or the
+// error is transient (see there).
+func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.HandlerFunc, sc scope, shard *int32, token *int64) (processed, transient bool, err error) {
+	failpoint.HitContext(ctx, "inbox.before-begin")
 	tx, err := ib.cfg.DB.Begin(ctx)
 	if err != nil {
-		return false, fmt.Errorf("inbox: begin: %w", err)
+		return false, true, fmt.Errorf("inbox: begin: %w", err)
 	}
+	ran := false
 	defer func() {
+		if err != nil {
+			transient = !ran || isTransient(ctx, tx, err)
+		}
 		if !processed || err != nil {
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	tag, err := tx.Exec(ctx, ib.sql.insertInbox, ib.cfg.Consumer, key, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token)
+	tag, err := tx.Exec(ctx, ib.sql.insertInbox, ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token)...)
 	if err != nil {
-		return false, fmt.Errorf("inbox: insert %s: %w", key, err)
+		return false, false, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
 	}
 	failpoint.HitContext(ctx, "inbox.after-insert")
 	if tag.RowsAffected() == 0 {
-		return false, nil
+		return false, false, nil
 	}
 
 	orig := msg.Context()
-	msg.SetContext(outbox.ContextWithSource(context.WithValue(orig, txKey{}, tx), ib.cfg.Consumer, key))
+	src := outbox.Source{Consumer: sc.consumer, Handler: sc.handler, DedupKey: sc.key}
+	msg.SetContext(outbox.ContextWithSource(context.WithValue(orig, txKey{}, tx), src))
+	ran = true
 	produced, err := h(msg)
 	msg.SetContext(orig)
 	failpoint.HitContext(ctx, "inbox.after-handler")
 	if err != nil {
-		return false, err
+		return false, false, err
 	}
 	if len(produced) > 0 {
 		topic := message.PublishTopicFromCtx(ctx)
 		if topic == "" {
-			return false, fmt.Errorf("inbox: the handler returned %d message(s) but has no publish topic; write them with the outbox instead", len(produced))
+			return false, false, fmt.Errorf("inbox: the handler returned %d message(s) but has no publish topic; write them with the outbox instead", len(produced))
 		}
 		if err := ib.cfg.Outbox.Publish(ctx, tx, topic, produced...); err != nil {
-			return false, err
+			return false, false, err
 		}
 	}
 	if ib.cfg.MaxAttempts > 0 {
-		if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.cfg.Consumer, key); err != nil {
-			return false, fmt.Errorf("inbox: clear attempts of %s: %w", key, err)
+		if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.args(sc)...); err != nil {
+			return false, false, fmt.Errorf("inbox: clear attempts of %s: %w", sc.key, err)
 		}
 	}
 	failpoint.HitContext(ctx, "inbox.before-commit")
 	if err := tx.Commit(ctx); err != nil {
-		return false, fmt.Errorf("inbox: commit %s: %w", key, err)
+		return false, false, fmt.Errorf("inbox: commit %s: %w", sc.key, err)
 	}
 	failpoint.HitContext(ctx, "inbox.after-commit")
-	return true, nil
+	return true, false, nil
 }
 
 // kill moves msg to the dead-letter table and marks it dead in the inbox, in one transaction, so a
-// redelivery is skipped. A nil return acknowledges the message.
-func (ib *Inbox) kill(ctx context.Context, msg *message.Message, key, reason string, cause error, attempts int) error {
-	uuid := msg.UUID
-	if key == "" {
-		// No id of its own: the broker's UUID still names it, so a redelivery is recognised. An id
-		// the database cannot store as text is stored in hex.
-		key = "uuid:" + uuid
-		if !pgtext.Valid(uuid) {
-			key = "uuid-hex:" + hex.EncodeToString([]byte(uuid))
-			uuid = pgtext.Sanitize(uuid)
-		}
+// redelivery is skipped. A nil return acknowledges the message. sc.key is empty when the message
+// has no usable dedup key.
+func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reason string, cause error, attempts int) error {
+	if sc.key == "" {
+		sc.key = ib.fallbackKey(ctx, msg)
 	}
+	uuid := pgtext.Sanitize(msg.UUID)
 	tx, err := ib.cfg.DB.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("inbox: begin dead letter: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // A no-op after Commit.
 
-	tag, err := tx.Exec(ctx, ib.sql.insertDead, ib.cfg.Consumer, key, uuid, message.SubscribeTopicFromCtx(ctx))
+	tag, err := tx.Exec(ctx, ib.sql.insertDead, ib.args(sc, uuid, message.SubscribeTopicFromCtx(ctx))...)
 	if err != nil {
-		return fmt.Errorf("inbox: mark %s dead: %w", key, err)
+		return fmt.Errorf("inbox: mark %s dead: %w", sc.key, err)
 	}
 	if tag.RowsAffected() == 0 {
 		ib.metrics.DedupHits.WithLabelValues(ib.cfg.Consumer).Inc()
@@ -307,8 +437,9 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, key, reason str
 	err = ib.dead.Add(ctx, tx, dlq.Entry{
 		Source:       dlq.SourceInbox,
 		Topic:        message.SubscribeTopicFromCtx(ctx),
-		Consumer:     ib.cfg.Consumer,
-		DedupKey:     key,
+		Consumer:     sc.consumer,
+		Handler:      sc.handler,
+		DedupKey:     sc.key,
 		PartitionKey: msg.Metadata.Get(outbox.PartitionKeyMetadata),
 		UUID:         uuid,
 		Payload:      msg.Payload,
@@ -320,27 +451,64 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, key, reason str
 	if err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.cfg.Consumer, key); err != nil {
-		return fmt.Errorf("inbox: clear attempts of %s: %w", key, err)
+	if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.args(sc)...); err != nil {
+		return fmt.Errorf("inbox: clear attempts of %s: %w", sc.key, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("inbox: commit dead letter %s: %w", key, err)
+		return fmt.Errorf("inbox: commit dead letter %s: %w", sc.key, err)
 	}
 	ib.metrics.DeadLetters.WithLabelValues(string(dlq.SourceInbox), reason).Inc()
-	ib.logger.Info("Message moved to the dead-letter table", watermill.LogFields{
-		"message_uuid": uuid, "dedup_key": key, "reason": reason, "error": cause.Error(),
-	})
+	fields := sc.logFields()
+	fields["message_uuid"], fields["reason"], fields["error"] = uuid, reason, cause.Error()
+	ib.logger.Info("Message moved to the dead-letter table", fields)
 	return nil
+}
+
+// fallbackKey names a message that has no usable dedup key, so that however often it is delivered
+// it gets one dead letter, and each distinct message its own: its Watermill UUID when that is text
+// the database can store; else where the broker delivered it from (Config.Delivery), which is the
+// same for every redelivery of a record and different for every record; else a hash of what it
+// carries (topic, id bytes, payload, metadata). Distinct messages that carry the same are
+// indistinguishable then.
+func (ib *Inbox) fallbackKey(ctx context.Context, msg *message.Message) string {
+	if msg.UUID != "" && pgtext.Valid(msg.UUID) {
+		return "uuid:" + msg.UUID
+	}
+	topic := message.SubscribeTopicFromCtx(ctx)
+	if ib.cfg.Delivery != nil {
+		if partition, offset, ok := ib.cfg.Delivery(ctx); ok {
+			return fmt.Sprintf("kafka:%s/%d/%d", topic, partition, offset)
+		}
+	}
+	h := sha256.New()
+	field := func(s string) {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(s)))
+		h.Write(n[:])
+		h.Write([]byte(s))
+	}
+	field(topic)
+	field(msg.UUID)
+	field(string(msg.Payload))
+	for _, k := range slices.Sorted(maps.Keys(msg.Metadata)) {
+		field(k)
+		field(msg.Metadata[k])
+	}
+	return "sha256:" + hex.EncodeToString(h.Sum(nil))
 }
 
 // forgetAttempts removes the attempt counter a duplicate delivery created while the first delivery
 // was still in flight; leaving it would only cost a row.
-func (ib *Inbox) forgetAttempts(ctx context.Context, key string) {
+func (ib *Inbox) forgetAttempts(ctx context.Context, sc scope) {
 	if ib.cfg.MaxAttempts <= 0 {
 		return
 	}
-	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.deleteAttempts, ib.cfg.Consumer, key); err != nil {
-		ib.logger.Debug("Could not clear attempts of a duplicate", watermill.LogFields{"dedup_key": key, "error": err.Error()})
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+	defer cancel()
+	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.deleteAttempts, ib.args(sc)...); err != nil {
+		fields := sc.logFields()
+		fields["error"] = err.Error()
+		ib.logger.Debug("Could not clear attempts of a duplicate", fields)
 	}
 }
 

@@ -76,13 +76,23 @@ type CallRequest struct {
 	StripeAccount string     `json:"stripe_account,omitempty"`
 }
 
-// IdempotencyKey derives the key of the call named name that a consumer makes while processing the
-// message with dedupKey: "txbox_" and the unpadded base64url SHA-256 of the three, 49 characters.
-// Each part is length-prefixed before hashing, so no two different triples share a key.
-func IdempotencyKey(consumer, dedupKey, name string) string {
+// IdempotencyKey derives the key of the call named name that a handler makes while processing the
+// message src names: "txbox_" and the unpadded base64url SHA-256 of the parts, 49 characters. Each
+// part is length-prefixed before hashing, so no two different sources and names share a key.
+//
+// Two handlers of one consumer get different keys for calls of the same name. Without a handler
+// (outside a router) the key is derived from consumer, dedup key and name alone, as it was before
+// handlers took part, so the keys of calls already written do not change.
+func IdempotencyKey(src Source, name string) string {
 	h := sha256.New()
-	h.Write([]byte("txbox-call-key/v1"))
-	for _, part := range []string{consumer, dedupKey, name} {
+	parts := []string{src.Consumer, src.DedupKey, name}
+	if src.Handler == "" {
+		h.Write([]byte("txbox-call-key/v1"))
+	} else {
+		h.Write([]byte("txbox-call-key/v2"))
+		parts = []string{src.Consumer, src.Handler, src.DedupKey, name}
+	}
+	for _, part := range parts {
 		var n [8]byte
 		binary.BigEndian.PutUint64(n[:], uint64(len(part)))
 		h.Write(n[:])
@@ -107,8 +117,8 @@ func ReplyUUID(idempotencyKey string) string {
 }
 
 // Call writes c into the outbox through tx and returns its idempotency key. Unless c carries an
-// explicit key, the key is derived (IdempotencyKey) from the consumer and dedup key that the inbox
-// middleware put in ctx (see ContextWithSource) and c.Name, so a redelivered message yields the same
+// explicit key, the key is derived (IdempotencyKey) from the consumer, handler and dedup key that
+// the inbox middleware put in ctx (see ContextWithSource) and c.Name, so a redelivered message yields the same
 // key and the provider executes the call once. The trace context of ctx is stored with the call and
 // passed on to its reply.
 //
@@ -125,13 +135,16 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 		method = http.MethodPost
 	}
 	if method != http.MethodPost && method != http.MethodDelete {
-		return "", fmt.Errorf("%w: method %q: want POST or DELETE", ErrInvalidCall, c.Method)
+		return "", fmt.Errorf("%w: Call.Method %q: want POST or DELETE", ErrInvalidCall, c.Method)
 	}
 	if err := checkPath(c.Path); err != nil {
 		return "", err
 	}
 	if strings.ContainsFunc(c.StripeAccount, notPrintable) || strings.TrimSpace(c.StripeAccount) != c.StripeAccount {
-		return "", fmt.Errorf("%w: StripeAccount %q is not a header value", ErrInvalidCall, c.StripeAccount)
+		return "", fmt.Errorf("%w: Call.StripeAccount %q is not a header value", ErrInvalidCall, c.StripeAccount)
+	}
+	if err := checkCallText(c); err != nil {
+		return "", err
 	}
 	payload, err := json.Marshal(CallRequest{
 		Provider: ProviderStripe, Name: c.Name, Method: method, Path: c.Path,
@@ -146,9 +159,6 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 
 	md := make(message.Metadata, len(c.Metadata)+1)
 	for k, v := range c.Metadata {
-		if k == reservedMetadata {
-			return "", fmt.Errorf("%w: %s: metadata key %s is reserved", ErrInvalidCall, key, reservedMetadata)
-		}
 		md[k] = v
 	}
 	otel.GetTextMapPropagator().Inject(ctx, propagation.MapCarrier(md))
@@ -174,35 +184,59 @@ func callKey(ctx context.Context, c Call) (string, error) {
 		k := c.IdempotencyKey
 		switch {
 		case len(k) > MaxIdempotencyKeyLength:
-			return "", fmt.Errorf("%w: idempotency key of %d characters is over Stripe's limit of %d", ErrInvalidCall, len(k), MaxIdempotencyKeyLength)
+			return "", fmt.Errorf("%w: Call.IdempotencyKey of %d characters is over Stripe's limit of %d", ErrInvalidCall, len(k), MaxIdempotencyKeyLength)
 		case strings.TrimSpace(k) != k, strings.ContainsFunc(k, notPrintable):
 			// stripe-go trims the header value, and Stripe would see another key than the one stored.
-			return "", fmt.Errorf("%w: idempotency key %q must be printable ASCII without leading or trailing spaces", ErrInvalidCall, k)
+			return "", fmt.Errorf("%w: Call.IdempotencyKey %q must be printable ASCII without leading or trailing spaces", ErrInvalidCall, k)
 		}
 		return k, nil
 	}
-	consumer, dedupKey, ok := SourceFromContext(ctx)
+	src, ok := SourceFromContext(ctx)
 	if !ok {
 		return "", fmt.Errorf("%w: no idempotency key: ctx carries no inbox message (use the handler's message context, or set Call.IdempotencyKey)", ErrInvalidCall)
 	}
 	if c.Name == "" {
 		return "", fmt.Errorf("%w: Call.Name is required to derive the idempotency key: it tells the calls of one message apart", ErrInvalidCall)
 	}
-	return IdempotencyKey(consumer, dedupKey, c.Name), nil
+	return IdempotencyKey(src, c.Name), nil
+}
+
+// checkCallText checks the call's free text as Publish checks a message's: the name and the
+// parameters go into the stored request (JSON would rewrite invalid UTF-8 in them, and the key is
+// derived from the name as given), the reply topic, partition key and metadata into columns.
+func checkCallText(c Call) error {
+	for _, f := range []struct{ what, value string }{
+		{"Call.Name", c.Name}, {"Call.ReplyTopic", c.ReplyTopic}, {"Call.PartitionKey", c.PartitionKey},
+	} {
+		if err := checkText(ErrInvalidCall, f.what, f.value); err != nil {
+			return err
+		}
+	}
+	for k, vs := range c.Params {
+		if err := checkText(ErrInvalidCall, "Call.Params: key", k); err != nil {
+			return err
+		}
+		for _, v := range vs {
+			if err := checkText(ErrInvalidCall, fmt.Sprintf("Call.Params: value of %q", k), v); err != nil {
+				return err
+			}
+		}
+	}
+	return checkMetadata(ErrInvalidCall, "Call.Metadata", c.Metadata)
 }
 
 func checkPath(p string) error {
 	if !strings.HasPrefix(p, "/v1/") || len(p) == len("/v1/") {
-		return fmt.Errorf("%w: path %q: want a Stripe API path such as /v1/charges", ErrInvalidCall, p)
+		return fmt.Errorf("%w: Call.Path %q: want a Stripe API path such as /v1/charges", ErrInvalidCall, p)
 	}
 	for _, r := range p {
 		ok := r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("/_-.", r)
 		if !ok {
-			return fmt.Errorf("%w: path %q: only letters, digits and /_-. are allowed (parameters go in Call.Params)", ErrInvalidCall, p)
+			return fmt.Errorf("%w: Call.Path %q: only letters, digits and /_-. are allowed (parameters go in Call.Params)", ErrInvalidCall, p)
 		}
 	}
 	if strings.Contains(p, "..") || strings.Contains(p, "//") {
-		return fmt.Errorf("%w: path %q is not a plain API path", ErrInvalidCall, p)
+		return fmt.Errorf("%w: Call.Path %q is not a plain API path", ErrInvalidCall, p)
 	}
 	return nil
 }

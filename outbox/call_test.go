@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/internal/pgtest"
@@ -63,7 +64,7 @@ func charge(name string) outbox.Call {
 func TestCallKeyIsStableAcrossRedeliveries(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
-	ctx := outbox.ContextWithSource(context.Background(), "payments", "msg-1")
+	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", DedupKey: "msg-1"})
 
 	first, err := b.write(t, ctx, false, charge("charge")) // the delivery whose consumer crashed
 	require.NoError(t, err)
@@ -71,28 +72,51 @@ func TestCallKeyIsStableAcrossRedeliveries(t *testing.T) {
 	again, err := b.write(t, ctx, true, charge("charge")) // the redelivery
 	require.NoError(t, err)
 	require.Equal(t, first, again)
-	require.Equal(t, outbox.IdempotencyKey("payments", "msg-1", "charge"), again)
+	require.Equal(t, outbox.IdempotencyKey(outbox.Source{Consumer: "payments", DedupKey: "msg-1"}, "charge"), again)
 	require.True(t, strings.HasPrefix(again, "txbox_"), again)
 	require.LessOrEqual(t, len(again), outbox.MaxIdempotencyKeyLength)
+}
 
-	others := map[string]string{
-		"another call of the message": outbox.IdempotencyKey("payments", "msg-1", "refund"),
-		"another message":             outbox.IdempotencyKey("payments", "msg-2", "charge"),
-		"another consumer":            outbox.IdempotencyKey("billing", "msg-1", "charge"),
-		"shifted boundaries":          outbox.IdempotencyKey("payment", "smsg-1", "charge"),
+// Keys differ whenever any part of the source or the name differs; two handlers of one consumer
+// making a call of the same name for the same message get two keys.
+func TestCallKeysAreDistinct(t *testing.T) {
+	t.Parallel()
+	key := func(consumer, handler, dedupKey, name string) string {
+		return outbox.IdempotencyKey(outbox.Source{Consumer: consumer, Handler: handler, DedupKey: dedupKey}, name)
 	}
-	seen := map[string]string{again: "the call"}
-	for what, k := range others {
+	keys := map[string]string{
+		"the call":                    key("payments", "", "msg-1", "charge"),
+		"another call of the message": key("payments", "", "msg-1", "refund"),
+		"another message":             key("payments", "", "msg-2", "charge"),
+		"another consumer":            key("billing", "", "msg-1", "charge"),
+		"shifted boundaries":          key("payment", "", "smsg-1", "charge"),
+		"a handler":                   key("payments", "charge", "msg-1", "charge"),
+		"another handler":             key("payments", "email", "msg-1", "charge"),
+		"handler shifted into key":    key("payments", "c", "harge", "msg-1"),
+		"shifted handler boundaries":  key("payments", "chargem", "sg-1", "charge"),
+	}
+	seen := map[string]string{}
+	for what, k := range keys {
 		require.NotContains(t, seen, k, "%s shares a key with %s", what, seen[k])
 		seen[k] = what
+		require.Len(t, k, 49, what)
 	}
-	require.NotEqual(t, outbox.IdempotencyKey("a", "bc", "d"), outbox.IdempotencyKey("ab", "c", "d"))
+	require.NotEqual(t, key("a", "", "bc", "d"), key("ab", "", "c", "d"))
+}
+
+// Outside a router (no handler) the key is derived as it was before handlers took part in it, so
+// the keys of calls already written by existing deployments do not change. The value was computed
+// by the derivation before handlers existed.
+func TestCallKeyWithoutHandlerIsUnchanged(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, "txbox_F3nPtJhsI1Cato6Hvs04Wi6GzZwsykS6AFJJw-iaIQw",
+		outbox.IdempotencyKey(outbox.Source{Consumer: "payments", DedupKey: "msg-1"}, "charge"))
 }
 
 func TestCallStoresTheRequest(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
-	ctx := outbox.ContextWithSource(context.Background(), "payments", "msg-1")
+	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", DedupKey: "msg-1"})
 	c := charge("charge")
 	c.Method = "post"
 	c.Params.Set("metadata[order_id]", "o-7")
@@ -144,7 +168,7 @@ func TestCallWithExplicitKeyAndPartitionKey(t *testing.T) {
 	require.Equal(t, "order-7-charge", key)
 
 	// An explicit key wins over the source in the context.
-	ctx := outbox.ContextWithSource(context.Background(), "payments", "msg-1")
+	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", DedupKey: "msg-1"})
 	c.IdempotencyKey = "order-7-refund"
 	key, err = b.write(t, ctx, true, c)
 	require.NoError(t, err)
@@ -165,7 +189,7 @@ func TestCallWithExplicitKeyAndPartitionKey(t *testing.T) {
 func TestCallRejectsWhatCannotBeExecuted(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
-	source := outbox.ContextWithSource(context.Background(), "payments", "msg-1")
+	source := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", DedupKey: "msg-1"})
 	with := func(f func(*outbox.Call)) outbox.Call {
 		c := charge("charge")
 		f(&c)
@@ -216,4 +240,38 @@ func TestParseCallResult(t *testing.T) {
 	_, err = outbox.ParseCallResult(message.NewMessage("x", []byte(`{"hello":"world"}`)))
 	require.Error(t, err)
 	require.NotEqual(t, outbox.CallUUID("k"), outbox.ReplyUUID("k"))
+}
+
+// Every text field of a call is checked like Publish checks a message's, by the same code: text
+// PostgreSQL cannot store, or that JSON would silently rewrite, is refused with ErrInvalidCall
+// naming the field, instead of a raw database error or a request other than the one written.
+func TestCallRefusesTextItCannotStoreFaithfully(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	source := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", DedupKey: "msg-1"})
+	fields := map[string]func(*outbox.Call, string){
+		"Name":           func(c *outbox.Call, v string) { c.Name = "charge" + v },
+		"Method":         func(c *outbox.Call, v string) { c.Method = "POST" + v },
+		"Path":           func(c *outbox.Call, v string) { c.Path = "/v1/charges" + v },
+		"Params":         func(c *outbox.Call, v string) { c.Params.Set("description", "a"+v) },
+		"Params key":     func(c *outbox.Call, v string) { c.Params.Set("metadata[k"+v+"]", "a") },
+		"StripeAccount":  func(c *outbox.Call, v string) { c.StripeAccount = "acct_1" + v },
+		"ReplyTopic":     func(c *outbox.Call, v string) { c.ReplyTopic = "charges" + v },
+		"PartitionKey":   func(c *outbox.Call, v string) { c.PartitionKey = "order-7" + v },
+		"IdempotencyKey": func(c *outbox.Call, v string) { c.IdempotencyKey = "k" + v },
+		"Metadata":       func(c *outbox.Call, v string) { c.Metadata = map[string]string{"order": "7" + v} },
+		"Metadata key":   func(c *outbox.Call, v string) { c.Metadata = map[string]string{"order" + v: "7"} },
+	}
+	for field, set := range fields {
+		for what, v := range map[string]string{"NUL": "\x00", "invalid UTF-8": "\xff"} {
+			c := charge("charge")
+			set(&c, v)
+			_, err := b.write(t, source, true, c)
+			if !assert.ErrorIs(t, err, outbox.ErrInvalidCall, "%s with %s", field, what) {
+				continue
+			}
+			assert.ErrorContains(t, err, strings.Fields(field)[0], "%s with %s: the error names the field", field, what)
+		}
+	}
+	require.Zero(t, b.rows(t), "nothing was written")
 }

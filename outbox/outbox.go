@@ -100,6 +100,9 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 	if topic == "" {
 		return fmt.Errorf("%w: empty topic", ErrInvalidMessage)
 	}
+	if err := checkText(ErrInvalidMessage, "topic", topic); err != nil {
+		return err
+	}
 	var (
 		slots    = make([]int16, len(msgs))
 		keys     = make([]string, len(msgs))
@@ -141,25 +144,45 @@ func (w *Writer) validate(msg *message.Message) error {
 		return fmt.Errorf("%w: nil message", ErrInvalidMessage)
 	case msg.UUID == "":
 		return fmt.Errorf("%w: empty UUID", ErrInvalidMessage)
-	case !pgtext.Valid(msg.UUID):
-		return fmt.Errorf("%w: UUID %q is not valid UTF-8 or contains NUL", ErrInvalidMessage, msg.UUID)
-	case msg.Metadata.Get(reservedMetadata) != "":
-		return fmt.Errorf("%w: %s: metadata key %s is reserved", ErrInvalidMessage, msg.UUID, reservedMetadata)
-	case !validMetadata(msg.Metadata):
-		return fmt.Errorf("%w: %s: a metadata key or value is not valid UTF-8 or contains NUL", ErrInvalidMessage, msg.UUID)
 	case len(msg.Payload) > w.maxPayloadBytes:
 		return fmt.Errorf("%w: %s: payload of %d bytes is over the %d-byte limit", ErrInvalidMessage, msg.UUID, len(msg.Payload), w.maxPayloadBytes)
+	}
+	if err := checkText(ErrInvalidMessage, "UUID", msg.UUID); err != nil {
+		return err
+	}
+	// The partition key is metadata too.
+	if err := checkMetadata(ErrInvalidMessage, "metadata", msg.Metadata); err != nil {
+		return fmt.Errorf("%w (message %s)", err, msg.UUID)
 	}
 	return nil
 }
 
-func validMetadata(md message.Metadata) bool {
+// checkText refuses text that PostgreSQL's text and jsonb types cannot store and that encoding/json
+// would silently rewrite: NUL characters and invalid UTF-8. Publish and Call check every piece of
+// text they store with it and checkMetadata, so both refuse the same things; what names the field
+// in the error, which wraps invalid.
+func checkText(invalid error, what, value string) error {
+	if pgtext.Valid(value) {
+		return nil
+	}
+	return fmt.Errorf("%w: %s %q is not valid UTF-8 or contains NUL", invalid, what, value)
+}
+
+// checkMetadata checks metadata keys and values with checkText and refuses the key under which
+// watermill-kafka's marshaler stores the message UUID.
+func checkMetadata(invalid error, what string, md map[string]string) error {
 	for k, v := range md {
-		if !pgtext.Valid(k) || !pgtext.Valid(v) {
-			return false
+		if k == reservedMetadata {
+			return fmt.Errorf("%w: %s: key %s is reserved", invalid, what, reservedMetadata)
+		}
+		if err := checkText(invalid, what+": key", k); err != nil {
+			return err
+		}
+		if !pgtext.Valid(v) {
+			return checkText(invalid, fmt.Sprintf("%s: value of %q", what, k), v)
 		}
 	}
-	return true
+	return nil
 }
 
 // SlotOf returns the slot of a partition key; messages without a key are spread by their UUID.
@@ -193,18 +216,27 @@ func (txPublisher) Close() error { return nil }
 
 type sourceKey struct{}
 
-type source struct{ consumer, dedupKey string }
+// Source identifies the incoming message a handler is processing, for the idempotency keys of the
+// side-effect calls it writes (see IdempotencyKey).
+type Source struct {
+	// Consumer is the inbox's consumer name.
+	Consumer string
+	// Handler is the name of the router handler processing the message (Watermill's
+	// message.HandlerNameFromCtx), or "" outside a router.
+	Handler string
+	// DedupKey is the message's dedup key.
+	DedupKey string
+}
 
-// ContextWithSource records which incoming message is being processed: the consumer and the
-// message's dedup key. Side-effect calls written under such a context derive their idempotency keys
-// from it, so a redelivery of the message yields the same keys. The inbox middleware sets it for
-// handlers.
-func ContextWithSource(ctx context.Context, consumer, dedupKey string) context.Context {
-	return context.WithValue(ctx, sourceKey{}, source{consumer: consumer, dedupKey: dedupKey})
+// ContextWithSource records which incoming message is being processed. Side-effect calls written
+// under such a context derive their idempotency keys from it, so a redelivery of the message yields
+// the same keys. The inbox middleware sets it for handlers.
+func ContextWithSource(ctx context.Context, s Source) context.Context {
+	return context.WithValue(ctx, sourceKey{}, s)
 }
 
 // SourceFromContext returns what ContextWithSource recorded.
-func SourceFromContext(ctx context.Context) (consumer, dedupKey string, ok bool) {
-	s, ok := ctx.Value(sourceKey{}).(source)
-	return s.consumer, s.dedupKey, ok
+func SourceFromContext(ctx context.Context) (Source, bool) {
+	s, ok := ctx.Value(sourceKey{}).(Source)
+	return s, ok
 }

@@ -127,7 +127,11 @@ func TestInvalidMessagesAreRefusedWholesale(t *testing.T) {
 		"too large":    {"t", message.NewMessage(watermill.NewUUID(), make([]byte, 11)), "over the 10-byte limit"},
 		"nil":          {"t", nil, "nil message"},
 		"binary uuid":  {"t", message.NewMessage("a\x00b", nil), "not valid UTF-8 or contains NUL"},
-		"binary meta":  {"t", badMeta, "metadata key or value is not valid UTF-8"},
+		"binary meta":  {"t", badMeta, "metadata"},
+		"NUL in topic": {"t\x00", ok, "topic"},
+		"binary topic": {"t\xff", ok, "topic"},
+		"binary partition key": {"t", outbox.SetPartitionKey(message.NewMessage(watermill.NewUUID(), nil), "\xff"),
+			outbox.PartitionKeyMetadata},
 	} {
 		err := w.Publish(context.Background(), env.Pool, tc.topic, ok, tc.msg)
 		require.ErrorIs(t, err, outbox.ErrInvalidMessage, name)

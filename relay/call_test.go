@@ -617,7 +617,7 @@ func TestCallSurvivesCrashes(t *testing.T) {
 	_, err = handle(paymentRequest()) // and a duplicate delivery, dropped by the inbox
 	require.NoError(t, err)
 	require.Equal(t, 1, b.pendingCalls(t))
-	key := outbox.IdempotencyKey("payments", "msg-pay-crash", "charge")
+	key := outbox.IdempotencyKey(outbox.Source{Consumer: "payments", DedupKey: "msg-pay-crash"}, "charge")
 
 	// The reply's consumer, behind its own inbox.
 	var deliveries atomic.Int32

@@ -32,6 +32,16 @@
 //     a warning when that exceeds InboxRetention, and Report.OldestLetterAge shows it. Relay
 //     letters do not count: the broker refused them, so no consumer ever saw them.
 //
+//  3. The redriven copy itself, which the broker keeps for its whole retention from the redrive.
+//     Once the letter is gone it no longer holds the cutoff back, so the redrive records the
+//     message (UUID and topic) with its time, and every pass first moves the receipt time of
+//     every inbox row of such a message that is due (received before now - InboxRetention,
+//     redriven after) forward to the redrive: each consumer remembers a redriven message for
+//     InboxRetention from the redrive (Report.RedrivenKept). Redrive records older than that are
+//     deleted. The rows are found when they come due rather than at the redrive, which would need
+//     an index by message UUID on every inbox insert; moving received_at also moves a row out of
+//     an old partition should the inbox ever be partitioned by it.
+//
 // 'dead' rows are never deleted while their letter is in the DLQ: they keep the broker's
 // redeliveries of that message from being processed while it waits for a person, and a redrive
 // deletes them itself. Once the letter is discarded, the row goes after InboxRetention, like a

@@ -22,7 +22,7 @@ const (
 )
 
 // tables are the tables whose sizes are reported, in this order.
-var tables = []string{"txbox_outbox", "txbox_inbox", "txbox_inbox_attempt", "txbox_dlq", "txbox_call_result"}
+var tables = []string{"txbox_outbox", "txbox_inbox", "txbox_inbox_attempt", "txbox_dlq", "txbox_redrive", "txbox_call_result"}
 
 // DB is what the Cleaner needs from PostgreSQL; *pgxpool.Pool satisfies it. Each batch is one
 // statement, so a pool (not a transaction) is what keeps the locks short.
@@ -124,12 +124,16 @@ func New(cfg Config) (*Cleaner, error) {
 
 // Report tells what one pass deleted and how large the tables are afterwards.
 type Report struct {
-	// DoneDeleted, DeadDeleted, AttemptsDeleted and CallResultsDeleted count the rows deleted:
-	// processed inbox rows, dead inbox rows whose letter was discarded, orphaned attempt counters,
-	// and call results.
+	// RedrivenKept counts the inbox rows that were due but kept, because their message was
+	// redriven since: their receipt time moved forward to the redrive.
+	RedrivenKept int64
+	// DoneDeleted, DeadDeleted, AttemptsDeleted, RedrivesDeleted and CallResultsDeleted count the
+	// rows deleted: processed inbox rows, dead inbox rows whose letter was discarded, orphaned
+	// attempt counters, records of redrives older than InboxRetention, and call results.
 	DoneDeleted        int64
 	DeadDeleted        int64
 	AttemptsDeleted    int64
+	RedrivesDeleted    int64
 	CallResultsDeleted int64
 	// DoneCutoff is the receipt time before which processed inbox rows were deleted: InboxRetention
 	// before now, or before the oldest inbox letter in the DLQ when there is one.
@@ -154,10 +158,12 @@ type TableSize struct {
 	DeadRows int64
 }
 
-// RunOnce deletes, in batches of BatchSize rows each committed on its own:
+// RunOnce first keeps the inbox rows of messages redriven within InboxRetention (see the package
+// documentation), then deletes, in batches of BatchSize rows each committed on its own:
 //   - inbox rows in state 'done' received before the cutoff (see the package documentation);
 //   - inbox rows in state 'dead' older than InboxRetention whose letter is no longer in the DLQ;
 //   - attempt counters of settled messages, or with no delivery for InboxRetention;
+//   - records of redrives older than InboxRetention;
 //   - call results older than CallResultRetention.
 //
 // It returns what it did, with the table sizes, even when it stops early on an error or ctx.
@@ -185,13 +191,15 @@ func (c *Cleaner) RunOnce(ctx context.Context) (Report, error) {
 		cutoff time.Time
 		count  *int64
 	}{
-		{"processed inbox rows", c.sql.deleteDone, rep.DoneCutoff, &rep.DoneDeleted},
-		{"dead inbox rows", c.sql.deleteDead, deadCutoff, &rep.DeadDeleted},
-		{"inbox attempt counters", c.sql.deleteAttempts, deadCutoff, &rep.AttemptsDeleted},
-		{"call results", c.sql.deleteCallResults, callCutoff, &rep.CallResultsDeleted},
+		{"keep inbox rows of redriven messages", c.sql.keepRedriven, deadCutoff, &rep.RedrivenKept},
+		{"delete processed inbox rows", c.sql.deleteDone, rep.DoneCutoff, &rep.DoneDeleted},
+		{"delete dead inbox rows", c.sql.deleteDead, deadCutoff, &rep.DeadDeleted},
+		{"delete inbox attempt counters", c.sql.deleteAttempts, deadCutoff, &rep.AttemptsDeleted},
+		{"delete redrive records", c.sql.deleteRedrives, deadCutoff, &rep.RedrivesDeleted},
+		{"delete call results", c.sql.deleteCallResults, callCutoff, &rep.CallResultsDeleted},
 	} {
-		if err = c.deleteInBatches(ctx, step.sql, step.cutoff, step.count); err != nil {
-			err = fmt.Errorf("retention: delete %s: %w", step.what, err)
+		if err = c.inBatches(ctx, step.sql, step.cutoff, step.count); err != nil {
+			err = fmt.Errorf("retention: %s: %w", step.what, err)
 			break
 		}
 	}
@@ -204,9 +212,9 @@ func (c *Cleaner) RunOnce(ctx context.Context) (Report, error) {
 	return rep, err
 }
 
-// deleteInBatches runs a batch delete until a batch comes back short. Each batch is its own
+// inBatches runs a batch statement until a batch comes back short. Each batch is its own
 // statement: locks last one batch, and VACUUM can reclaim the rows while the pass goes on.
-func (c *Cleaner) deleteInBatches(ctx context.Context, sql string, cutoff time.Time, count *int64) error {
+func (c *Cleaner) inBatches(ctx context.Context, sql string, cutoff time.Time, count *int64) error {
 	for {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -224,8 +232,9 @@ func (c *Cleaner) deleteInBatches(ctx context.Context, sql string, cutoff time.T
 
 func (c *Cleaner) log(rep Report, err error) {
 	attrs := []any{
-		"done_deleted", rep.DoneDeleted, "dead_deleted", rep.DeadDeleted,
-		"attempts_deleted", rep.AttemptsDeleted, "call_results_deleted", rep.CallResultsDeleted,
+		"redriven_kept", rep.RedrivenKept, "done_deleted", rep.DoneDeleted, "dead_deleted", rep.DeadDeleted,
+		"attempts_deleted", rep.AttemptsDeleted, "redrives_deleted", rep.RedrivesDeleted,
+		"call_results_deleted", rep.CallResultsDeleted,
 		"duration", rep.Duration.Round(time.Millisecond),
 	}
 	for _, t := range rep.Tables {
@@ -262,8 +271,8 @@ type Querier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }
 
-// TableSizes returns the sizes of txbox's outbox, inbox, inbox attempt, DLQ and call result tables
-// in schema ("" means "public"), in that order; a table that does not exist is left out.
+// TableSizes returns the sizes of txbox's outbox, inbox, inbox attempt, DLQ, redrive and call result
+// tables in schema ("" means "public"), in that order; a table that does not exist is left out.
 func TableSizes(ctx context.Context, db Querier, schema string) ([]TableSize, error) {
 	if _, err := sqlname.Schema(schema); err != nil {
 		return nil, fmt.Errorf("retention: %w", err)

@@ -224,6 +224,32 @@ func TestRunOnceDeletesOrphanedAttemptsAndOldCallResults(t *testing.T) {
 	require.Equal(t, 1, tb.count(t, "txbox_inbox", "true"), "a young processed row stays")
 }
 
+// Deduplication is per handler: a counter is settled by its own handler's inbox row or by a
+// consumer-wide one, and a dead row is kept while its own handler's letter waits.
+func TestRunOnceMatchesRowsByHandler(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_inbox_attempt")+` (consumer, dedup_key, handler, attempts) VALUES
+		('billing', 'other-handler-done', 'email', 1),
+		('billing', 'own-handler-done', 'email', 1),
+		('billing', 'consumer-wide-done', 'email', 1)`)
+	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_inbox")+` (consumer, dedup_key, handler, message_uuid, topic, state, received_at) VALUES
+		('billing', 'other-handler-done', 'charge', 'u', 'orders', 'done', now()),
+		('billing', 'own-handler-done', 'email', 'u', 'orders', 'done', now()),
+		('billing', 'consumer-wide-done', '', 'u', 'orders', 'done', now()),
+		('billing', 'dead-letter-waits', 'charge', 'u', 'orders', 'dead', now() - interval '9 days'),
+		('billing', 'dead-letter-discarded', 'charge', 'u', 'orders', 'dead', now() - interval '9 days')`)
+	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_dlq")+` (source, topic, consumer, handler, dedup_key, uuid, payload, reason) VALUES
+		('inbox', 'orders', 'billing', 'charge', 'dead-letter-waits', 'u', '', 'attempts exhausted'),
+		('inbox', 'orders', 'billing', 'email', 'dead-letter-discarded', 'u', '', 'attempts exhausted')`)
+
+	rep, err := tb.cleaner(t, retention.Config{}).RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, []string{"other-handler-done"}, tb.keys(t, "txbox_inbox_attempt", "true"))
+	require.Equal(t, int64(1), rep.DeadDeleted)
+	require.Equal(t, []string{"dead-letter-waits"}, tb.keys(t, "txbox_inbox", "state = 'dead'"))
+}
+
 func TestRunOnceReportsTableSizes(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
@@ -234,7 +260,7 @@ func TestRunOnceReportsTableSizes(t *testing.T) {
 		names = append(names, s.Table)
 		require.Positive(t, s.TotalBytes, s.Table)
 	}
-	require.Equal(t, []string{"txbox_outbox", "txbox_inbox", "txbox_inbox_attempt", "txbox_dlq", "txbox_call_result"}, names)
+	require.Equal(t, []string{"txbox_outbox", "txbox_inbox", "txbox_inbox_attempt", "txbox_dlq", "txbox_redrive", "txbox_call_result"}, names)
 	require.Contains(t, tb.log.String(), "txbox_inbox_bytes=")
 }
 

@@ -31,7 +31,7 @@ func (a *app) dlqCommand() *cobra.Command {
 		Short: "list, show, redrive (paced) or discard dead letters",
 		Long: "Inspect, redrive and discard dead letters.\n\n" +
 			"Filters (list, redrive, discard; they combine with AND):\n" +
-			"  --source inbox|relay  --kind message|call  --topic T  --consumer C  --reason TEXT\n" +
+			"  --source inbox|relay  --kind message|call  --topic T  --consumer C  --handler H  --reason TEXT\n" +
 			"  --older-than AGE  --younger-than AGE  --id N[,N...] (repeatable)  --limit N\n\n" +
 			"Stored text is printed with control characters escaped (\\x1b, \\u202e); --json is exact.",
 		Args: usageArgs(cobra.NoArgs),
@@ -43,11 +43,11 @@ func (a *app) dlqCommand() *cobra.Command {
 
 // dlqFilter holds the filter flags of list, redrive and discard.
 type dlqFilter struct {
-	source, kind, topic, consumer, reason string
-	olderThan, youngerThan                time.Duration
-	ids                                   []int64
-	limit                                 int
-	all                                   bool
+	source, kind, topic, consumer, handler, reason string
+	olderThan, youngerThan                         time.Duration
+	ids                                            []int64
+	limit                                          int
+	all                                            bool
 }
 
 // filterFlags defines the filter flags; withAll adds --all for the commands that change letters.
@@ -59,6 +59,7 @@ func filterFlags(cmd *cobra.Command, defaultLimit int, withAll bool) *dlqFilter 
 	fs.Var(text(&f.kind, oneOf("message", "call")), "kind", "only letters of this kind: message or call")
 	fs.StringVar(&f.topic, "topic", "", "only letters of this topic")
 	fs.StringVar(&f.consumer, "consumer", "", "only letters of this consumer")
+	fs.StringVar(&f.handler, "handler", "", "only letters of this router handler (inbox letters)")
 	fs.StringVar(&f.reason, "reason", "", "only letters whose reason contains this text, ignoring case")
 	fs.Var(durationIn(&f.olderThan, 0, maxAge), "older-than", "only letters that first failed at least this long ago, e.g. 90m, 36h, 7d")
 	fs.Var(durationIn(&f.youngerThan, 0, maxAge), "younger-than", "only letters that first failed less than this long ago")
@@ -72,7 +73,7 @@ func filterFlags(cmd *cobra.Command, defaultLimit int, withAll bool) *dlqFilter 
 
 func (f *dlqFilter) filter() dlq.Filter {
 	return dlq.Filter{
-		Source: dlq.Source(f.source), Kind: f.kind, Topic: f.topic, Consumer: f.consumer, Reason: f.reason,
+		Source: dlq.Source(f.source), Kind: f.kind, Topic: f.topic, Consumer: f.consumer, Handler: f.handler, Reason: f.reason,
 		OlderThan: f.olderThan, YoungerThan: f.youngerThan, IDs: f.ids, Limit: f.limit, All: f.all,
 	}
 }
@@ -80,7 +81,7 @@ func (f *dlqFilter) filter() dlq.Filter {
 // requireFilter refuses to change every letter by accident.
 func requireFilter(cmd *cobra.Command, f dlq.Filter) error {
 	if f.IsEmpty() && !f.All {
-		return usagef("%s needs a filter (--source, --kind, --topic, --consumer, --reason, --older-than, --younger-than, --id) or --all", cmd.CommandPath())
+		return usagef("%s needs a filter (--source, --kind, --topic, --consumer, --handler, --reason, --older-than, --younger-than, --id) or --all", cmd.CommandPath())
 	}
 	return nil
 }
@@ -194,6 +195,7 @@ func printLetter(w io.Writer, l dlq.Letter, now time.Time) error {
 	row("kind", cell(l.Kind))
 	row("topic", cell(l.Topic))
 	row("consumer", dash(cell(l.Consumer)))
+	row("handler", dash(cell(l.Handler)))
 	row("dedup key", dash(cell(l.DedupKey)))
 	row("partition key", dash(cell(l.PartitionKey)))
 	row("uuid", cell(l.UUID))
@@ -401,6 +403,7 @@ type letterJSON struct {
 	Kind           string            `json:"kind"`
 	Topic          string            `json:"topic"`
 	Consumer       string            `json:"consumer"`
+	Handler        string            `json:"handler"`
 	DedupKey       string            `json:"dedup_key"`
 	PartitionKey   string            `json:"partition_key"`
 	UUID           string            `json:"uuid"`
@@ -418,7 +421,7 @@ type letterJSON struct {
 
 func toJSON(l dlq.Letter, withPayload bool) letterJSON {
 	j := letterJSON{
-		ID: l.ID, Source: string(l.Source), Kind: l.Kind, Topic: l.Topic, Consumer: l.Consumer, DedupKey: l.DedupKey,
+		ID: l.ID, Source: string(l.Source), Kind: l.Kind, Topic: l.Topic, Consumer: l.Consumer, Handler: l.Handler, DedupKey: l.DedupKey,
 		PartitionKey: l.PartitionKey, UUID: l.UUID, IdempotencyKey: l.IdempotencyKey, Reason: l.Reason, Error: l.Error,
 		Attempts: l.Attempts, FirstFailedAt: l.FirstFailedAt, LastFailedAt: l.LastFailedAt, Metadata: l.Metadata,
 		PayloadBytes: len(l.Payload),

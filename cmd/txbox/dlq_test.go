@@ -81,7 +81,7 @@ func (b *cliBundle) count(t *testing.T, table string) int {
 func TestDLQList(t *testing.T) {
 	t.Parallel()
 	b := setupCLI(t)
-	a := b.add(t, dlq.Entry{Source: dlq.SourceInbox, Consumer: "billing", DedupKey: "m-a", UUID: "m-a", Reason: "attempts exhausted", Attempts: 10})
+	a := b.add(t, dlq.Entry{Source: dlq.SourceInbox, Consumer: "billing", Handler: "charge", DedupKey: "m-a", UUID: "m-a", Reason: "attempts exhausted", Attempts: 10})
 	r := b.add(t, dlq.Entry{Source: dlq.SourceRelay, Topic: "invoices", UUID: "m-r", Reason: "rejected by broker"})
 	_, err := b.env.Pool.Exec(context.Background(), `UPDATE `+b.env.Q("txbox_dlq")+` SET first_failed_at = now() - interval '2 days' WHERE id = $1`, a)
 	require.NoError(t, err)
@@ -99,6 +99,8 @@ func TestDLQList(t *testing.T) {
 	}{
 		{[]string{"--source", "inbox"}, []int64{a}},
 		{[]string{"--consumer", "billing"}, []int64{a}},
+		{[]string{"--handler", "charge"}, []int64{a}},
+		{[]string{"--handler", "email"}, nil},
 		{[]string{"--topic", "invoices"}, []int64{r}},
 		{[]string{"--reason", "BROKER"}, []int64{r}},
 		{[]string{"--older-than", "1d"}, []int64{a}},
@@ -129,12 +131,12 @@ func TestDLQList(t *testing.T) {
 func TestDLQShow(t *testing.T) {
 	t.Parallel()
 	b := setupCLI(t)
-	id := b.add(t, dlq.Entry{Source: dlq.SourceInbox, Consumer: "billing", DedupKey: "k-1", UUID: "m-1", PartitionKey: "order-7",
+	id := b.add(t, dlq.Entry{Source: dlq.SourceInbox, Consumer: "billing", Handler: "charge", DedupKey: "k-1", UUID: "m-1", PartitionKey: "order-7",
 		Payload: []byte(`{"order":7}`), Metadata: map[string]string{"b": "2", "a": "1"}, Error: "line one\nline two"})
 	bin := b.add(t, dlq.Entry{Source: dlq.SourceRelay, Kind: "call", UUID: "c-1", IdempotencyKey: "idem-1", Payload: []byte{0xff, 0x00}})
 
 	out := b.ok(t, "dlq", "show", fmt.Sprint(id))
-	for _, want := range []string{"uuid:", "m-1", "consumer:", "billing", "order-7", "  line one\n  line two", "  a: 1\n  b: 2", `payload (11 bytes):`, `  {"order":7}`} {
+	for _, want := range []string{"uuid:", "m-1", "consumer:", "billing", "handler:", "charge", "order-7", "  line one\n  line two", "  a: 1\n  b: 2", `payload (11 bytes):`, `  {"order":7}`} {
 		require.Contains(t, out, want)
 	}
 

@@ -655,7 +655,8 @@ func (a *app) reconcile(ctx context.Context, rep *report, reg *prometheus.Regist
 		rep.StripeRequests = double.Requests()
 		ours := 0
 		for _, u := range rep.requestUUIDs {
-			k := outbox.IdempotencyKey(paymentsConsumer, u, "charge")
+			// The consumer's router handler has the consumer's name.
+			k := outbox.IdempotencyKey(outbox.Source{Consumer: paymentsConsumer, Handler: paymentsConsumer, DedupKey: u}, "charge")
 			charged, declined := double.ChargesFor(k), double.DeclinesFor(k)
 			rep.ChargesCreated += charged
 			rep.Declined += declined

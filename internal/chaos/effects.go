@@ -41,9 +41,12 @@ CREATE TABLE `+table(schema, "effects")+` (
 // ChargeName is the name of the Stripe call Apply writes for each message.
 const ChargeName = "charge"
 
-// ChargeKey is the idempotency key of the charge that consumer writes for the message uuid.
+// HandlerName is the name of the router handler that runs Apply in the consumer processes.
+const HandlerName = "effects"
+
+// ChargeKey is the idempotency key of the charge that consumer's handler writes for the message uuid.
 func ChargeKey(consumer, uuid string) string {
-	return outbox.IdempotencyKey(consumer, uuid, ChargeName)
+	return outbox.IdempotencyKey(outbox.Source{Consumer: consumer, Handler: HandlerName, DedupKey: uuid}, ChargeName)
 }
 
 // Apply returns the consumers' handler, to run behind the inbox middleware: it records the
@@ -58,9 +61,9 @@ func Apply(schema string, charges *outbox.Writer) message.NoPublishHandlerFunc {
 		if !ok {
 			return errors.New("chaos: the handler runs without the inbox's transaction")
 		}
-		consumer, _, _ := outbox.SourceFromContext(ctx)
+		src, _ := outbox.SourceFromContext(ctx)
 		key := msg.Metadata.Get(outbox.PartitionKeyMetadata)
-		if _, err := tx.Exec(ctx, insert, consumer, msg.UUID, key); err != nil {
+		if _, err := tx.Exec(ctx, insert, src.Consumer, msg.UUID, key); err != nil {
 			return err
 		}
 		if charges == nil {

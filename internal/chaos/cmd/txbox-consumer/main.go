@@ -95,7 +95,7 @@ func run() error {
 	}
 	router.AddMiddleware(ib.Middleware)
 	apply := chaos.Apply(*schema, charges)
-	router.AddConsumerHandler("effects", *topic, sub, func(msg *message.Message) error {
+	router.AddConsumerHandler(chaos.HandlerName, *topic, sub, func(msg *message.Message) error {
 		if string(msg.Payload) == Poison {
 			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 			select {} // SIGKILL is not delivered synchronously; never run past this point.

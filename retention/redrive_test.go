@@ -1,0 +1,105 @@
+package retention_test
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/time/rate"
+
+	"github.com/txbox/txbox/dlq"
+	"github.com/txbox/txbox/inbox"
+	"github.com/txbox/txbox/retention"
+)
+
+// Consumer X processed message M; consumer Y dead-lettered it. M is redriven: the copy is on the
+// broker for its whole retention again, so X must remember M for InboxRetention from the redrive,
+// not from its original processing.
+func TestRedrivenMessagesAreRememberedForTheInboxRetentionFromTheRedrive(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	logger := watermill.NopLogger{}
+	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, logger)
+	router, err := message.NewRouter(message.RouterConfig{}, logger)
+	require.NoError(t, err)
+	var (
+		ran     = map[string]*atomic.Int64{"x": {}, "y": {}}
+		settled = make(chan string, 16)
+	)
+	for _, consumer := range []string{"x", "y"} {
+		ib, err := inbox.New(inbox.Config{DB: tb.env.Pool, Consumer: consumer, Schema: tb.env.Schema}, nil)
+		require.NoError(t, err)
+		router.AddConsumerHandler(consumer, "orders", pubsub, func(*message.Message) error {
+			if ran[consumer].Add(1) == 1 && consumer == "y" {
+				return fmt.Errorf("%w: y cannot yet", inbox.ErrUnprocessable)
+			}
+			return nil
+		}).AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+			return func(msg *message.Message) ([]*message.Message, error) {
+				out, err := h(msg)
+				require.NoError(t, err)
+				settled <- consumer
+				return out, err
+			}
+		}, ib.Middleware)
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(runCtx) }()
+	t.Cleanup(func() { stop(); require.NoError(t, <-done) })
+	<-router.Running()
+	waitSettled := func() {
+		t.Helper()
+		for range 2 {
+			select {
+			case <-settled:
+			case <-time.After(10 * time.Second):
+				t.Fatal("a delivery was not settled")
+			}
+		}
+	}
+
+	m := message.NewMessage(watermill.NewUUID(), []byte("order 7"))
+	require.NoError(t, pubsub.Publish("orders", m.Copy()))
+	waitSettled()
+	require.Equal(t, 1, tb.count(t, "txbox_dlq", "consumer = 'y'"))
+
+	// Ten days on: X processed M then, Y gave up nine days ago.
+	tb.exec(t, `UPDATE `+tb.env.Q("txbox_inbox")+` SET received_at = now() - interval '10 days'`)
+	tb.exec(t, `UPDATE `+tb.env.Q("txbox_dlq")+` SET first_failed_at = now() - interval '9 days'`)
+	admin, err := dlq.NewAdmin(dlq.AdminConfig{Schema: tb.env.Schema})
+	require.NoError(t, err)
+	res, err := admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Consumer: "y"}, dlq.RedriveOptions{Rate: rate.Inf})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Moved)
+
+	// X's original horizon (processed 10 days ago, InboxRetention 8 days) has passed; the
+	// redrive's has not.
+	rep, err := tb.cleaner(t, retention.Config{BrokerRetention: 7 * day, InboxRetention: 8 * day}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'x' AND state = 'done'"), "X forgot M while its redriven copy can still reach it")
+	require.Equal(t, int64(1), rep.RedrivenKept)
+
+	// The redriven copy arrives (the relay would publish the outbox row): Y processes it, X skips it.
+	require.NoError(t, pubsub.Publish("orders", m.Copy()))
+	waitSettled()
+	require.Equal(t, int64(1), ran["x"].Load(), "X processed M twice")
+	require.Equal(t, int64(2), ran["y"].Load())
+
+	// Once InboxRetention has passed since the redrive too, both rows and the redrive record go.
+	tb.exec(t, `UPDATE `+tb.env.Q("txbox_inbox")+` SET received_at = now() - interval '9 days'`)
+	tb.exec(t, `UPDATE `+tb.env.Q("txbox_redrive")+` SET redriven_at = now() - interval '9 days'`)
+	rep, err = tb.cleaner(t, retention.Config{BrokerRetention: 7 * day, InboxRetention: 8 * day}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), rep.DoneDeleted)
+	require.Zero(t, rep.RedrivenKept)
+	require.Equal(t, int64(1), rep.RedrivesDeleted)
+	require.Zero(t, tb.count(t, "txbox_redrive", "true"))
+}
