@@ -95,6 +95,13 @@ type Config struct {
 	// handler makes between statements. If not specified, defaults to
 	// DefaultIdleInTransactionTimeout; a negative value disables it.
 	IdleInTransactionTimeout time.Duration
+	// StatsInterval is how often, at most, the dedup checks and hits counted in memory are added
+	// to txbox_dedup_stats (per consumer, handler and minute), where `txbox status` reads the hit
+	// rate. They are written in the background by a statement of their own when a message finds
+	// the interval passed, so a message never waits for them; call Flush when the router stops to
+	// write the rest. If not specified, defaults to DefaultStatsInterval; a negative value
+	// disables the writes.
+	StatsInterval time.Duration
 	// Registerer receives the inbox's Prometheus metrics. If not specified, they are not registered.
 	Registerer prometheus.Registerer
 }
@@ -117,6 +124,7 @@ type Inbox struct {
 	dead    *dlq.Writer
 	logger  watermill.LoggerAdapter
 	metrics *metrics.Inbox
+	stats   statsBuffer
 
 	tokensMu sync.Mutex
 	tokens   map[stream]int64 // highest fencing token seen per ordered stream
@@ -166,6 +174,12 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 		}
 		timeouts[i] = strconv.FormatInt(max(d.v.Milliseconds(), 0), 10) // 0 is PostgreSQL's "no limit"
 	}
+	switch {
+	case cfg.StatsInterval == 0:
+		cfg.StatsInterval = DefaultStatsInterval
+	case cfg.StatsInterval < 0:
+		cfg.StatsInterval = 0
+	}
 	if cfg.DedupKey == nil {
 		cfg.DedupKey = func(m *message.Message) (string, error) { return m.UUID, nil }
 	}
@@ -181,13 +195,15 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
+	sql := renderQueries(schema)
 	return &Inbox{
 		cfg:     cfg,
-		sql:     renderQueries(schema),
+		sql:     sql,
 		bounds:  timeouts,
 		dead:    dead,
 		logger:  logger.With(watermill.LogFields{"consumer": cfg.Consumer}),
 		metrics: metrics.NewInbox(cfg.Registerer, cfg.Schema),
+		stats:   statsBuffer{interval: cfg.StatsInterval, pending: map[string]dedupCounts{}, flushSQL: sql.flushStats},
 		tokens:  map[stream]int64{},
 	}, nil
 }
@@ -225,9 +241,11 @@ func (ib *Inbox) args(s scope, more ...any) []any {
 func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 	ctx := msg.Context()
 	consumer := ib.cfg.Consumer
-	ib.metrics.DedupChecks.WithLabelValues(consumer).Inc()
-
 	sc := scope{consumer: consumer, handler: message.HandlerNameFromCtx(ctx)}
+	ib.metrics.DedupChecks.WithLabelValues(consumer, sc.handler).Inc()
+	ib.stats.add(sc.handler, 1, 0)
+	defer ib.maybeFlush()
+
 	key, err := ib.cfg.DedupKey(msg)
 	switch {
 	case err != nil:
@@ -258,7 +276,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 		var lastErr *string
 		err := ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, ib.args(sc)...).Scan(&attempts, &lastErr)
 		if errors.Is(err, pgx.ErrNoRows) {
-			ib.metrics.DedupHits.WithLabelValues(consumer).Inc()
+			ib.hit(sc)
 			return nil // Processed (or dead) before: the inbox row exists.
 		}
 		if err != nil {
@@ -280,11 +298,11 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 	processed, transient, herr := ib.process(ctx, msg, h, sc, shard, token)
 	switch {
 	case herr == nil && !processed:
-		ib.metrics.DedupHits.WithLabelValues(consumer).Inc()
+		ib.hit(sc)
 		ib.forgetAttempts(ctx, sc)
 		return nil
 	case herr == nil:
-		ib.metrics.Attempts.WithLabelValues(consumer).Observe(float64(max(attempts, 1)))
+		ib.metrics.Attempts.WithLabelValues(consumer, sc.handler).Observe(float64(max(attempts, 1)))
 		return nil
 	case errors.Is(herr, ErrUnprocessable):
 		return ib.kill(ctx, msg, sc, ReasonUnprocessable, herr, attempts)
@@ -293,6 +311,12 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 		ib.endAttempt(ctx, sc, transient, herr)
 	}
 	return herr
+}
+
+// hit counts a delivery recognised as a duplicate.
+func (ib *Inbox) hit(sc scope) {
+	ib.metrics.DedupHits.WithLabelValues(sc.consumer, sc.handler).Inc()
+	ib.stats.add(sc.handler, 0, 1)
 }
 
 // settleTimeout bounds the bookkeeping after a delivery failed, which runs even when the delivery's
@@ -431,7 +455,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 		return fmt.Errorf("inbox: mark %s dead: %w", sc.key, err)
 	}
 	if tag.RowsAffected() == 0 {
-		ib.metrics.DedupHits.WithLabelValues(ib.cfg.Consumer).Inc()
+		ib.hit(sc)
 		return nil // Another delivery settled it first.
 	}
 	err = ib.dead.Add(ctx, tx, dlq.Entry{

@@ -62,16 +62,16 @@ func NewInbox(reg prometheus.Registerer, schema string) *Inbox {
 		DedupChecks: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "txbox_dedup_checks_total",
 			Help: "Messages checked against the inbox. dedup_hits_total / dedup_checks_total is the dedup hit rate, about 0 in steady state.",
-		}, []string{"consumer"})),
+		}, []string{"consumer", "handler"})),
 		DedupHits: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "txbox_dedup_hits_total",
 			Help: "Messages recognised as already processed (or dead) and skipped without calling the handler.",
-		}, []string{"consumer"})),
+		}, []string{"consumer", "handler"})),
 		Attempts: register(reg, prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "txbox_retry_count",
 			Help:    "Delivery attempts a message needed before it was processed or given up on.",
 			Buckets: []float64{1, 2, 3, 5, 8, 13, 21},
-		}, []string{"consumer"})),
+		}, []string{"consumer", "handler"})),
 		DeadLetters: deadLetters(reg, schema),
 		SupersededTokens: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "txbox_superseded_token_messages_total",
