@@ -121,7 +121,11 @@ func (k *kafkaShard) Publish(ctx context.Context, msgs []Message) error {
 		return &RejectedError{Rejected: rejected}
 	}
 	if !k.sink.transactional {
-		return k.classify(k.producer.SendMessages(records))
+		if err := k.producer.SendMessages(records); err != nil {
+			return k.classify(err)
+		}
+		placed(msgs, records)
+		return nil
 	}
 	if err := k.producer.BeginTxn(); err != nil {
 		return k.classify(err)
@@ -133,7 +137,17 @@ func (k *kafkaShard) Publish(ctx context.Context, msgs []Message) error {
 	if err := k.producer.CommitTxn(); err != nil {
 		return k.abort(k.classify(err))
 	}
+	placed(msgs, records)
 	return nil
+}
+
+// placed copies where the broker stored each record into the message it came from.
+func placed(msgs []Message, records []*sarama.ProducerMessage) {
+	for _, rec := range records {
+		if i, ok := rec.Metadata.(int); ok {
+			msgs[i].Partition, msgs[i].Offset = rec.Partition, rec.Offset
+		}
+	}
 }
 
 // abort ends a failed transaction so the producer can be used again; when the abort itself says

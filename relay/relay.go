@@ -14,6 +14,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/internal/metrics"
@@ -65,6 +67,11 @@ type Config struct {
 	Logger *slog.Logger
 	// Registerer receives the relay's Prometheus metrics. If not specified, they are not registered.
 	Registerer prometheus.Registerer
+	// TracerProvider makes the relay's spans: a producer span per message published and a client
+	// span per call sent, each continuing the trace stored with the row (through the global
+	// OpenTelemetry propagator, as the outbox stored it). If not specified, the global
+	// TracerProvider.
+	TracerProvider trace.TracerProvider
 }
 
 // Defaults for Config.
@@ -83,6 +90,8 @@ type Relay struct {
 	dead    *dlq.Writer
 	log     *slog.Logger
 	metrics *metrics.Relay
+	tracer  trace.Tracer
+	kafka   bool // the sink is Kafka, for the spans' messaging.system
 
 	mu        sync.Mutex
 	held      map[int]*lease
@@ -145,12 +154,18 @@ func New(cfg Config) (*Relay, error) {
 	if err != nil {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
+	if cfg.TracerProvider == nil {
+		cfg.TracerProvider = otel.GetTracerProvider()
+	}
+	_, kafka := cfg.Sink.(*KafkaSink)
 	return &Relay{
 		cfg:     cfg,
 		sql:     renderQueries(schema),
 		dead:    dead,
 		log:     cfg.Logger.With("relay", cfg.Owner),
 		metrics: metrics.NewRelay(cfg.Registerer, cfg.Schema),
+		tracer:  cfg.TracerProvider.Tracer(tracerName),
+		kafka:   kafka,
 		held:    map[int]*lease{},
 	}, nil
 }
