@@ -69,7 +69,7 @@ func TestTraceFollowsAMessageFromWriterToStripe(t *testing.T) {
 		c.TracerProvider = tp
 		c.Calls = &relay.CallConfig{
 			APIKey: secret, BaseURL: double.URL(),
-			HTTPClient: &http.Client{Transport: &http.Transport{DisableKeepAlives: true}},
+			HTTPClient:   &http.Client{Transport: &http.Transport{DisableKeepAlives: true}},
 			PollInterval: 10 * time.Millisecond,
 		}
 	})
