@@ -78,3 +78,23 @@ func renderQueries(schema string) queries {
 			ON CONFLICT (idempotency_key) DO NOTHING`),
 	}
 }
+
+// Reports for operators (status.go): read-only, by the database clock.
+const (
+	leasesSQL = `SELECT shard, shards, coalesce(owner, ''), token, CASE WHEN isfinite(expires_at) THEN expires_at END, expires_at <= now()
+		FROM {schema}.txbox_lease ORDER BY shard`
+	nodesSQL = `SELECT owner, expires_at, expires_at > now() AS live
+		FROM {schema}.txbox_relay_node ORDER BY live DESC, owner`
+	failingCallsSQL = `SELECT id, idempotency_key, coalesce(convert_from(payload, 'UTF8')::jsonb->>'name', ''), attempts,
+			coalesce(first_attempt_at, created_at), greatest(next_attempt_at, now()), last_error
+		FROM {schema}.txbox_outbox WHERE kind = 'call' AND last_error IS NOT NULL
+		ORDER BY first_attempt_at NULLS LAST, id LIMIT $1`
+	unsuccessfulCallsSQL = `SELECT idempotency_key, outcome, http_status, object_id, attempts, completed_at
+		FROM {schema}.txbox_call_result
+		WHERE outcome <> 'succeeded' AND completed_at > now() - $1 * interval '1 millisecond'
+		ORDER BY completed_at DESC LIMIT $2`
+	backlogSQL = `WITH layout AS (SELECT coalesce(max(shards), $1) AS n FROM {schema}.txbox_lease)
+		SELECT o.slot % layout.n, count(*) FILTER (WHERE o.kind = 'message'), count(*) FILTER (WHERE o.kind = 'call'),
+			extract(epoch FROM now() - min(o.created_at))::float8
+		FROM {schema}.txbox_outbox AS o, layout GROUP BY 1 ORDER BY 1`
+)

@@ -4,7 +4,7 @@
 //	txbox relay                    publish outbox rows to Kafka until SIGINT/SIGTERM
 //	txbox dlq list|show|redrive|discard
 //	txbox retention                delete rows txbox no longer needs
-//	txbox status                   dead-letter depth and table sizes
+//	txbox status [--json]          backlog, leases, relays, dead letters, dedup rate, call failures
 //	txbox version | completion bash|zsh|fish
 //
 // Flags may come anywhere after the command; every setting falls back to a TXBOX_* environment
