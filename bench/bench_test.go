@@ -78,7 +78,7 @@ func BenchmarkRelayDrain(b *testing.B) {
 	b.Run("watermill-publisher-sink", func(b *testing.B) {
 		pub := watermillKafkaPublisher(b)
 		defer pub.Close()
-		drainWithRelay(b, func(*txtest.Env) relay.Sink { return relay.WatermillSink{Publisher: pub} })
+		drainWithRelay(b, func(*txtest.Env) relay.Sink { return relay.WatermillSink{Publisher: pub, KeyRouting: relay.Unordered} })
 	})
 	b.Run("txbox-idempotent", func(b *testing.B) {
 		drainWithRelay(b, func(env *txtest.Env) relay.Sink { return kafkaSink(b, env, false) })

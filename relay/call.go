@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"net/http"
 	"net/url"
 	"os"
@@ -56,92 +55,60 @@ type CallConfig struct {
 	// Timeout bounds one request. If not specified, defaults to two thirds of the relay's LeaseTTL,
 	// so that a graceful handover (which waits one LeaseTTL for work in flight) never cuts a call
 	// off. Longer is safe — a call cut off is sent again with its key — but
-	// txbox_side_effect_duration_seconds should stay below LeaseTTL.
+	// txbox_side_effect_duration_seconds should stay below LeaseTTL. At most ReplayWindow.
 	Timeout time.Duration
-	// ReplayWindow is the oldest a call's first attempt may be when it is sent. An older call goes
-	// to the dead-letter table for a person to reconcile, because Stripe may have forgotten its key
-	// (it keeps keys for 24 hours). It must be below 24h. If not specified, defaults to 23h.
+	// ReplayWindow is the oldest a call's idempotency key may be when the call is sent, counted from
+	// the first attempt of any call with that key (an explicit key can be written twice). An older
+	// call goes to the dead-letter table for a person to reconcile, because Stripe may have
+	// forgotten its key (it keeps keys for 24 hours). It must be below 24h. If not specified,
+	// defaults to 23h.
 	ReplayWindow time.Duration
 	// MinBackoff and MaxBackoff bound the wait before a failed call is tried again: exponential in
-	// its attempts, with jitter, and never shorter than the provider's Retry-After. If not
-	// specified, they default to 1s and 5m.
+	// its attempts, with jitter, and never shorter than the provider's Retry-After. MinBackoff is
+	// at most 1h and MaxBackoff at most 24h; if not specified, they default to 1s and 5m.
 	MinBackoff, MaxBackoff time.Duration
-	// BatchSize is the most due calls of a shard read at once. If not specified, defaults to 16.
+	// BatchSize is the most due calls of a shard read at once. Between 1 and 1000; if not
+	// specified, defaults to 16.
 	BatchSize int
-	// Concurrency is the most calls of one shard in flight at once. If not specified, defaults to 4.
+	// Concurrency is the most calls of one shard in flight at once. Between 1 and 100; if not
+	// specified, defaults to 4.
 	Concurrency int
-	// PollInterval is how long a shard without due calls waits before looking again. If not
-	// specified, defaults to 100ms.
+	// PollInterval is how long a shard without due calls waits before looking again. At most 1m;
+	// if not specified, defaults to 100ms.
 	PollInterval time.Duration
 	// MaxResultBytes bounds the copy of a response body kept in txbox_call_result and the reply.
-	// If not specified, defaults to 16 KiB.
+	// At most 64 MiB; if not specified, defaults to 16 KiB.
 	MaxResultBytes int
 }
 
-// resolved returns c with its defaults filled in for a relay with leaseTTL.
-func (c *CallConfig) resolved(leaseTTL time.Duration) CallConfig {
-	r := *c
-	if r.APIKey == "" {
-		r.APIKey = os.Getenv(APIKeyEnvVar)
+// resolve returns c with its defaults filled in for a relay with leaseTTL, or an error naming the
+// first bad setting.
+func (c CallConfig) resolve(leaseTTL time.Duration) (CallConfig, error) {
+	if c.APIKey == "" {
+		c.APIKey = os.Getenv(APIKeyEnvVar)
 	}
-	if r.BaseURL == "" {
-		r.BaseURL = DefaultStripeURL
+	if c.APIKey == "" {
+		return c, fmt.Errorf("relay: CallConfig.APIKey: no Stripe API key; set the %s environment variable", APIKeyEnvVar)
 	}
-	if r.HTTPClient == nil {
-		r.HTTPClient = &http.Client{}
+	if c.BaseURL == "" {
+		c.BaseURL = DefaultStripeURL
 	}
-	if r.Timeout == 0 {
-		r.Timeout = leaseTTL * 2 / 3
+	if u, err := url.Parse(c.BaseURL); err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Host == "" {
+		return c, fmt.Errorf("relay: CallConfig.BaseURL %q is not an http(s) URL", c.BaseURL)
 	}
-	if r.ReplayWindow == 0 {
-		r.ReplayWindow = DefaultReplayWindow
+	if c.HTTPClient == nil {
+		c.HTTPClient = &http.Client{}
 	}
-	if r.MinBackoff == 0 {
-		r.MinBackoff = DefaultMinCallBackoff
-	}
-	if r.MaxBackoff == 0 {
-		r.MaxBackoff = max(DefaultMaxCallBackoff, r.MinBackoff)
-	}
-	if r.BatchSize == 0 {
-		r.BatchSize = DefaultCallBatchSize
-	}
-	if r.Concurrency == 0 {
-		r.Concurrency = DefaultCallConcurrency
-	}
-	if r.PollInterval == 0 {
-		r.PollInterval = DefaultCallPoll
-	}
-	if r.MaxResultBytes == 0 {
-		r.MaxResultBytes = DefaultMaxResultBytes
-	}
-	return r
-}
-
-func (c *CallConfig) validate() error {
-	r := c.resolved(DefaultLeaseTTL)
-	switch {
-	case r.APIKey == "":
-		return fmt.Errorf("no Stripe API key: set the %s environment variable", APIKeyEnvVar)
-	case r.ReplayWindow <= 0 || r.ReplayWindow >= providerKeyLifetime:
-		return fmt.Errorf("ReplayWindow must be above 0 and below Stripe's 24h key lifetime, got %s", r.ReplayWindow)
-	case r.Timeout < 0:
-		return fmt.Errorf("Timeout must not be negative, got %s", r.Timeout)
-	case r.MinBackoff < 0 || r.MaxBackoff < r.MinBackoff:
-		return fmt.Errorf("need 0 <= MinBackoff <= MaxBackoff, got %s and %s", r.MinBackoff, r.MaxBackoff)
-	case r.BatchSize < 0 || r.BatchSize > 1000:
-		return fmt.Errorf("BatchSize must be between 1 and 1000, got %d", r.BatchSize)
-	case r.Concurrency < 0 || r.Concurrency > 100:
-		return fmt.Errorf("Concurrency must be between 1 and 100, got %d", r.Concurrency)
-	case r.PollInterval < 0:
-		return fmt.Errorf("PollInterval must be positive, got %s", r.PollInterval)
-	case r.MaxResultBytes < 0:
-		return fmt.Errorf("MaxResultBytes must not be negative, got %d", r.MaxResultBytes)
-	}
-	u, err := url.Parse(r.BaseURL)
-	if err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Host == "" {
-		return fmt.Errorf("BaseURL %q is not an http(s) URL", r.BaseURL)
-	}
-	return nil
+	var err error
+	setting(&err, "CallConfig.ReplayWindow", &c.ReplayWindow, DefaultReplayWindow, 1, providerKeyLifetime-1)
+	setting(&err, "CallConfig.Timeout", &c.Timeout, leaseTTL*2/3, 1, c.ReplayWindow)
+	setting(&err, "CallConfig.MinBackoff", &c.MinBackoff, DefaultMinCallBackoff, 1, time.Hour)
+	setting(&err, "CallConfig.MaxBackoff", &c.MaxBackoff, max(DefaultMaxCallBackoff, c.MinBackoff), c.MinBackoff, 24*time.Hour)
+	setting(&err, "CallConfig.BatchSize", &c.BatchSize, DefaultCallBatchSize, 1, 1000)
+	setting(&err, "CallConfig.Concurrency", &c.Concurrency, DefaultCallConcurrency, 1, 100)
+	setting(&err, "CallConfig.PollInterval", &c.PollInterval, DefaultCallPoll, 1, time.Minute)
+	setting(&err, "CallConfig.MaxResultBytes", &c.MaxResultBytes, DefaultMaxResultBytes, 1, 64<<20)
+	return c, err
 }
 
 // callRow is one due call.
@@ -169,7 +136,7 @@ type caller struct {
 // runCalls executes the shard's call rows until the lease ends; true means the lease was fenced.
 func (l *lease) runCalls() bool {
 	r := l.relay
-	cfg := r.cfg.Calls.resolved(r.cfg.LeaseTTL)
+	cfg := *r.cfg.Calls
 	replies, err := outbox.New(outbox.Config{Schema: r.cfg.Schema})
 	if err != nil {
 		// The schema was validated by New; this cannot fail.
@@ -298,10 +265,11 @@ func (c *caller) execute(row callRow) error {
 		if age := time.Duration(ageMs) * time.Millisecond; age >= c.cfg.ReplayWindow {
 			tooOld = true
 			return c.buryTx(tx, row, attempts-1, ReasonCallTooOld, fmt.Sprintf(
-				"first attempted at %s, %s ago, beyond the %s replay window: Stripe may have forgotten idempotency key %q, so sending the call now could execute it twice. "+
+				"idempotency key %q was first sent at %s (by this call, or an earlier call with the same key), %s ago, beyond the %s replay window: "+
+					"Stripe may have forgotten it, so sending the call now could execute it twice. "+
 					"Look the key up in the Stripe dashboard (Developers > Logs) to learn whether an earlier attempt went through, settle the outcome by hand, "+
 					"and if it must still happen, write it as a new call with a new key; never redrive this letter as it is.",
-				first.UTC().Format(time.RFC3339), age.Round(time.Second), c.cfg.ReplayWindow, row.key))
+				row.key, first.UTC().Format(time.RFC3339), age.Round(time.Second), c.cfg.ReplayWindow))
 		}
 		return nil
 	})
@@ -365,7 +333,7 @@ func (c *caller) execute(row callRow) error {
 		return nil
 	}
 
-	if err := c.complete(row, req, v, attempts, took); err != nil {
+	if err := c.complete(row, req, v, attempts, first, took); err != nil {
 		return err
 	}
 	failpoint.HitContext(l.ctx, "call.after-complete")
@@ -378,7 +346,7 @@ func (c *caller) execute(row callRow) error {
 }
 
 // complete records the outcome, writes the reply and deletes the row, in one fenced transaction.
-func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attempts int, took time.Duration) error {
+func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attempts int, first time.Time, took time.Duration) error {
 	l, r := c.l, c.l.relay
 	var meta map[string]string
 	_ = json.Unmarshal([]byte(row.metadata), &meta) // Written by the outbox from a map: it decodes.
@@ -398,7 +366,7 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 			return nil // Settled meanwhile: it must not get a second result.
 		}
 		if _, err := tx.Exec(l.ctx, r.sql.insertCallResult, row.key, row.uuid, res.Outcome, res.HTTPStatus,
-			res.ObjectID, stored, attempts, took.Milliseconds()); err != nil {
+			res.ObjectID, stored, attempts, took.Milliseconds(), first); err != nil {
 			return err
 		}
 		if row.replyTopic == "" {
@@ -445,13 +413,7 @@ func (c *caller) buryTx(tx pgx.Tx, row callRow, attempts int, reason, detail str
 }
 
 // retryIn is the wait before the next attempt: exponential in the call's durable attempt count,
-// so it survives restarts and takeovers, with jitter so relays retrying together spread out, and
-// never shorter than the provider asked for (capped at an hour against nonsense).
+// so it survives restarts and takeovers, and never shorter than the provider asked for.
 func (c *caller) retryIn(attempts int, retryAfter time.Duration) time.Duration {
-	ceiling := c.cfg.MinBackoff << min(attempts-1, 30)
-	if ceiling <= 0 || ceiling > c.cfg.MaxBackoff {
-		ceiling = c.cfg.MaxBackoff
-	}
-	wait := ceiling/2 + rand.N(ceiling/2+1)
-	return max(wait, min(retryAfter, time.Hour))
+	return retryDelay(c.cfg.MinBackoff, c.cfg.MaxBackoff, attempts, retryAfter)
 }

@@ -23,13 +23,44 @@
 // transactional.id derives from the shard, so a new owner's producer fences the old owner's, and
 // each batch is one Kafka transaction that read_committed consumers see whole or not at all.
 //
+// Every transaction a relay runs is bounded by its LeaseTTL: a lock is waited for at most TTL/4, a
+// statement runs at most one TTL, and a session left idle inside the transaction is ended by
+// PostgreSQL after TTL/3. A relay frozen inside a fenced transaction therefore holds its lease row
+// for TTL/3 at most, and nobody queues behind it for longer than TTL/4. Starting up takes no table
+// lock. Each relay also wakes up when another relay's lease or heartbeat runs out, so a dead or
+// frozen relay's shards are taken over about one TTL after its last renewal.
+//
+// sarama's calls cannot be cancelled: KafkaSink leaves a call that outlives its context (the lease
+// ended, or a graceful stop waited one TTL) on a goroutine of its own, which aborts the transaction
+// and closes the producer when sarama returns.
+//
+// # Messages the broker refuses
+//
+// A message the broker refuses does not stall its shard. Brokers refuse batches as a whole (a Kafka
+// transaction aborts, a refusal is reported against every record in it), so the relay publishes
+// halves of a refused batch until the refused message is published alone; KafkaSink also checks
+// each topic's metadata and each record's size before a batch enters a transaction. A message that
+// can never be accepted (invalid topic name, record too large) goes to the dead-letter table at
+// once (ReasonRejected). One refused for a reason that may pass (its topic does not exist yet, the
+// relay may not write to it) counts the attempt in its row, waits MinPublishBackoff to
+// MaxPublishBackoff before the next, holding back the later messages of its partition key only,
+// and goes to the dead-letter table after Config.MaxPublishAttempts
+// (ReasonPublishAttemptsExhausted). Without Kafka transactions a batch goes out in rounds holding
+// at most one message per partition key, so a record sarama gives up on never has a later message
+// of its key in flight beside it.
+//
+// Admin shows operators the backlog per shard and the pending rows, and moves a row to the
+// dead-letter table by hand (Admin.Bury), locking the shard's lease row like the relay does.
+//
 // # Side-effect calls
 //
 // With Config.Calls set, each shard lease runs a call worker beside its message worker. For each
 // due call of the shard:
 //
 //  1. In a fenced transaction, record the attempt (first_attempt_at is set once, attempts counts
-//     up) and measure the call's age with the database clock. A call older than
+//     up) and measure the age of the call's idempotency key with the database clock: from the first
+//     attempt of any call written with that key, pending or completed, since the provider forgets
+//     a key a fixed time after it first saw it. A call whose key is older than
 //     CallConfig.ReplayWindow goes to the dead-letter table in that same transaction and is never
 //     sent.
 //  2. Send it through stripe-go with its Idempotency-Key, within a deadline that is the smaller of

@@ -44,7 +44,7 @@ import (
 //   - between publishing and completing a batch (Kafka committed): A wakes with the batch in hand
 //     and must not delete its rows.
 //   - inside the completion transaction, holding the lease row lock: PostgreSQL must end A's
-//     session (the relay sets idle_in_transaction_session_timeout to the lease TTL on fenced
+//     session (the relay sets idle_in_transaction_session_timeout to a third of the lease TTL on fenced
 //     transactions), or B could never take the shard, and A's write must not land when it wakes.
 //     (@4: the checks before and after opening the producer are the first two hits.)
 //   - between checking its lease and opening its producer: when A wakes, opening its producer

@@ -92,10 +92,7 @@ func FuzzMetadataRoundTrip(f *testing.F) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		batch, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (pendingRow, error) {
-			var p pendingRow
-			return p, row.Scan(&p.id, &p.topic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata)
-		})
+		batch, err := pgx.CollectRows(rows, scanPending)
 		if err != nil || len(batch) != 1 {
 			t.Fatalf("read back %d rows: %v", len(batch), err)
 		}

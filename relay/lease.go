@@ -32,6 +32,12 @@ type lease struct {
 	forgotten chan struct{}
 
 	failures int // consecutive failed cycles, for backoff and for logging a failure streak once
+
+	// While the broker refuses a batch of several messages, the worker halves its batches until
+	// the refused message is published alone (see RejectedError): window is the batch size, and
+	// narrowed the highest id of the refused batch, 0 when not narrowing.
+	window   int
+	narrowed int64
 }
 
 // pendingRow is one outbox row read for publishing.
@@ -42,12 +48,27 @@ type pendingRow struct {
 	uuid         string
 	payload      []byte
 	metadata     string
+	attempts     int // publish attempts the broker refused so far
 }
+
+// scanPending reads a row of the readMessages query.
+func scanPending(row pgx.CollectableRow) (pendingRow, error) {
+	var p pendingRow
+	err := row.Scan(&p.id, &p.topic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata, &p.attempts)
+	return p, err
+}
+
+// errRefused reports a cycle whose batch the broker refused in part, now dealt with (the batch
+// narrowed, or the refused message retried later or dead): the next cycle runs at once, with a new
+// producer, whose client has forgotten the refusal (sarama stops trying a topic for 10 s after
+// three failures to find it).
+var errRefused = errors.New("relay: the broker refused a message")
 
 // run publishes the shard's rows until the lease ends. It reports true when the lease was found
 // superseded, so the relay drops it.
 func (l *lease) run() (fenced bool) {
 	r := l.relay
+	l.window = r.cfg.BatchSize
 	var pub ShardPublisher
 	defer func() {
 		if pub != nil {
@@ -81,13 +102,25 @@ func (l *lease) run() (fenced bool) {
 			// The broker fences a producer when another one opens the shard's transactional.id. If
 			// the database still says the lease is ours, that was a relay whose lease had ended
 			// opening it late (it gives the shard up at its next check): open a new producer,
-			// which fences that one in turn.
-			if err := l.fenced(l.ctx, checkOnly); err != nil {
-				return l.ctx.Err() == nil
+			// which fences that one in turn. If the database cannot say right now, the lease is
+			// still ours as far as we know: opening the next producer checks it again.
+			err := l.fenced(l.ctx, checkOnly)
+			if errors.Is(err, ErrFenced) {
+				return true
+			}
+			if l.ctx.Err() != nil {
+				return false
 			}
 			l.failures++
-			r.log.Warn("producer fenced while the lease is still ours; opening a new one", "shard", l.shard, "token", l.token, "error", err)
+			if err != nil {
+				r.log.Warn("producer fenced, and could not check the lease; keeping the shard and checking again", "shard", l.shard, "token", l.token, "error", err)
+			} else {
+				r.log.Warn("producer fenced while the lease is still ours; opening a new one", "shard", l.shard, "token", l.token)
+			}
 			l.wait(backoff(l.failures))
+		case errors.Is(err, errRefused):
+			_ = pub.Close()
+			pub = nil
 		case err != nil && l.ctx.Err() != nil:
 			return false
 		case err != nil:
@@ -107,7 +140,7 @@ func (l *lease) run() (fenced bool) {
 				r.log.Info("publishing recovered", "shard", l.shard, "failed_attempts", l.failures)
 				l.failures = 0
 			}
-			if n < r.cfg.BatchSize {
+			if n < l.window {
 				l.wait(r.cfg.PollInterval)
 			}
 		}
@@ -138,18 +171,14 @@ func (l *lease) open() (ShardPublisher, error) {
 // checkOnly is a fenced transaction's body when the check is all that is wanted.
 func checkOnly(pgx.Tx) error { return nil }
 
-// cycle reads one batch, publishes it and completes it. It returns how many rows it read.
+// cycle reads one batch, publishes it and completes it. It returns how many rows it published.
 func (l *lease) cycle(pub ShardPublisher) (int, error) {
 	r := l.relay
-	rows, err := r.cfg.DB.Query(l.ctx, r.sql.readMessages, l.slots, r.cfg.BatchSize)
+	rows, err := r.cfg.DB.Query(l.ctx, r.sql.readMessages, l.slots, l.window)
 	if err != nil {
 		return 0, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
 	}
-	batch, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (pendingRow, error) {
-		var p pendingRow
-		err := row.Scan(&p.id, &p.topic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata)
-		return p, err
-	})
+	batch, err := pgx.CollectRows(rows, scanPending)
 	if err != nil {
 		return 0, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
 	}
@@ -157,6 +186,7 @@ func (l *lease) cycle(pub ShardPublisher) (int, error) {
 		return 0, nil
 	}
 	failpoint.HitContext(l.ctx, "relay.after-read")
+	batch = aloneIfRefused(batch)
 
 	msgs := make([]Message, len(batch))
 	ids := make([]int64, len(batch))
@@ -168,11 +198,26 @@ func (l *lease) cycle(pub ShardPublisher) (int, error) {
 	err = pub.Publish(l.ctx, msgs)
 	endPublishSpans(spans, msgs, err)
 	if err != nil {
-		var rejected *RejectedError
-		if errors.As(err, &rejected) {
-			return len(batch), l.bury(batch, rejected)
+		var refused *RejectedError
+		switch {
+		case !errors.As(err, &refused):
+			return 0, err
+		case len(batch) > 1:
+			l.window = max(1, len(batch)/2)
+			l.narrowed = max(l.narrowed, batch[len(batch)-1].id)
+			r.log.Debug("the broker refused a batch; publishing smaller ones to find the refused message",
+				"shard", l.shard, "batch", len(batch), "next_batch", l.window, "error", refused)
+			return 0, errRefused
 		}
-		return 0, err
+		cause, permanent := refused.cause(0)
+		if cause == nil {
+			return 0, fmt.Errorf("relay: a publisher refused a message without saying why: %w", err)
+		}
+		if err := l.refuse(batch[0], cause, permanent); err != nil {
+			return 0, err
+		}
+		l.window, l.narrowed = r.cfg.BatchSize, 0
+		return 0, errRefused
 	}
 	failpoint.HitContext(l.ctx, "relay.after-publish")
 
@@ -185,7 +230,23 @@ func (l *lease) cycle(pub ShardPublisher) (int, error) {
 	}
 	failpoint.HitContext(l.ctx, "relay.after-complete")
 	r.metrics.Published.Add(float64(len(batch)))
+	if l.narrowed != 0 && batch[len(batch)-1].id >= l.narrowed {
+		l.window, l.narrowed = r.cfg.BatchSize, 0 // Past the refused batch.
+	}
 	return len(batch), nil
+}
+
+// aloneIfRefused cuts batch before the first message the broker refused before, or to that message
+// alone when it comes first: a refused message is published on its own, so a refusal is pinned on it
+// without publishing smaller and smaller batches again. Later messages of its key are not in the
+// batch: the read holds them back while it waits for its next attempt.
+func aloneIfRefused(batch []pendingRow) []pendingRow {
+	for i, p := range batch {
+		if p.attempts > 0 {
+			return batch[:max(i, 1)]
+		}
+	}
+	return batch
 }
 
 func (l *lease) toMessage(p pendingRow) Message {
@@ -200,48 +261,69 @@ func (l *lease) toMessage(p pendingRow) Message {
 	return Message{Topic: p.topic, Key: p.partitionKey, Msg: msg, Partition: -1, Offset: -1}
 }
 
-// bury moves the rows the broker refused for good to the dead-letter table; the rest of the batch
-// is published on the next cycle. Later rows with the same key are not held back: a dead row waits
-// for a person, and blocking its key would stop every later message of it too.
-func (l *lease) bury(batch []pendingRow, rejected *RejectedError) error {
+// refuse deals with a message the broker refused when published alone: one refused for good goes to
+// the dead-letter table at once; one refused for a reason that may pass counts the attempt and waits
+// for its next one, holding back the later messages of its key, until MaxPublishAttempts sends it to
+// the dead-letter table too. Later messages of its key are not held back by a dead message: it
+// waits for a person, and blocking its key would stop every later message of it too.
+func (l *lease) refuse(p pendingRow, cause error, permanent bool) error {
 	r := l.relay
-	return l.fenced(l.ctx, func(tx pgx.Tx) error {
-		for i, cause := range rejected.Rejected {
-			p := batch[i]
-			var meta map[string]string
-			_ = json.Unmarshal([]byte(p.metadata), &meta)
-			if _, err := tx.Exec(l.ctx, r.sql.deleteRows, []int64{p.id}); err != nil {
+	reason := ReasonRejected
+	attempts := p.attempts + 1
+	err := l.fenced(l.ctx, func(tx pgx.Tx) error {
+		if !permanent {
+			wait := retryDelay(r.cfg.MinPublishBackoff, r.cfg.MaxPublishBackoff, attempts, 0)
+			err := tx.QueryRow(l.ctx, r.sql.refuseMessage, p.id, cause.Error(), wait.Milliseconds()).Scan(&attempts)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil // Settled meanwhile (buried by an operator).
+			}
+			if err != nil || attempts < r.cfg.MaxPublishAttempts {
 				return err
 			}
-			err := r.dead.Add(l.ctx, tx, dlq.Entry{
-				Source: dlq.SourceRelay, Topic: p.topic, PartitionKey: p.partitionKey, UUID: p.uuid,
-				Payload: p.payload, Metadata: meta, Reason: "rejected by broker", Error: cause.Error(), Attempts: 1,
-			})
-			if err != nil {
-				return err
-			}
-			r.metrics.DeadLetters.WithLabelValues(string(dlq.SourceRelay), "rejected by broker").Inc()
-			r.log.Warn("broker rejected a message for good; moved to the dead-letter table",
-				"shard", l.shard, "message_uuid", p.uuid, "error", cause)
+			reason = ReasonPublishAttemptsExhausted
 		}
-		return nil
+		return l.bury(tx, p, reason, cause.Error(), attempts)
+	})
+	if err != nil {
+		return err
+	}
+	r.metrics.PublishErrors.Inc()
+	switch {
+	case permanent || attempts >= r.cfg.MaxPublishAttempts:
+		r.metrics.DeadLetters.WithLabelValues(string(dlq.SourceRelay), reason).Inc()
+		r.log.Error("message refused by the broker; moved to the dead-letter table", "shard", l.shard, "message_uuid", p.uuid,
+			"topic", p.topic, "reason", reason, "attempts", attempts, "error", cause)
+	case attempts == 1:
+		// One line per refused message, not one per attempt: the row's last_error has the latest.
+		r.log.Warn("message refused by the broker; retrying it with backoff while later messages of its key wait",
+			"shard", l.shard, "message_uuid", p.uuid, "topic", p.topic, "max_attempts", r.cfg.MaxPublishAttempts, "error", cause)
+	}
+	return nil
+}
+
+// bury moves an outbox row to the dead-letter table in tx, unless it is gone already (completed, or
+// buried by an operator): a row is never both pending and dead, nor dead twice.
+func (l *lease) bury(tx pgx.Tx, p pendingRow, reason, detail string, attempts int) error {
+	r := l.relay
+	tag, err := tx.Exec(l.ctx, r.sql.deleteRows, []int64{p.id})
+	if err != nil || tag.RowsAffected() == 0 {
+		return err
+	}
+	var meta map[string]string
+	_ = json.Unmarshal([]byte(p.metadata), &meta)
+	return r.dead.Add(l.ctx, tx, dlq.Entry{
+		Source: dlq.SourceRelay, Topic: p.topic, PartitionKey: p.partitionKey, UUID: p.uuid,
+		Payload: p.payload, Metadata: meta, Reason: reason, Error: detail, Attempts: attempts,
 	})
 }
 
 // fenced runs fn in a transaction that first locks the shard's lease row and checks that the token
-// is still ours. A bare "WHERE token = mine" on the write is not enough: a takeover could commit
+// is still ours; it returns an error wrapping ErrFenced when it is not, and another error when it
+// could not tell. A bare "WHERE token = mine" on the write is not enough: a takeover could commit
 // between that check and the write. Holding the lock, a takeover waits for us instead.
 func (l *lease) fenced(ctx context.Context, fn func(pgx.Tx) error) error {
 	r := l.relay
-	err := pgx.BeginFunc(ctx, r.cfg.DB, func(tx pgx.Tx) error {
-		// A relay frozen inside this transaction (a GC pause, SIGSTOP, a VM freeze) would keep the
-		// lease row locked for as long as it stays frozen: the next owner's acquire skips locked
-		// rows, and a relay starting up waits for the lock, so the shard would stall. PostgreSQL
-		// ends the session instead once it has sat idle in the transaction for a lease TTL, when
-		// the lease has run out anyway; the frozen relay's write fails when it wakes.
-		if _, err := tx.Exec(ctx, setIdleTimeout, strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
-			return fmt.Errorf("relay: lock lease of shard %d: %w", l.shard, err)
-		}
+	return r.bounded(ctx, func(tx pgx.Tx) error {
 		var one int
 		err := tx.QueryRow(ctx, r.sql.checkLease, l.shard, l.token).Scan(&one)
 		if errors.Is(err, pgx.ErrNoRows) {
@@ -253,7 +335,6 @@ func (l *lease) fenced(ctx context.Context, fn func(pgx.Tx) error) error {
 		failpoint.HitContext(ctx, "relay.lease-locked")
 		return fn(tx)
 	})
-	return err
 }
 
 // wait sleeps for d or until the lease ends.
@@ -267,9 +348,20 @@ func (l *lease) wait(d time.Duration) {
 	}
 }
 
-// backoff is exponential from 100ms to 10s with full jitter, so relays retrying together spread out.
+// backoff is the wait after a shard's attempt-th failed cycle in a row: exponential from 100ms to
+// 10s with jitter.
 func backoff(attempt int) time.Duration {
-	ceiling := 100 * time.Millisecond << min(attempt-1, 7)
-	ceiling = min(ceiling, 10*time.Second)
-	return ceiling/2 + rand.N(ceiling/2+1)
+	return retryDelay(100*time.Millisecond, 10*time.Second, attempt, 0)
+}
+
+// retryDelay is the wait before trying again after attempts failed attempts: exponential from lo up
+// to hi, with jitter so that relays retrying together spread out, and never shorter than
+// retryAfter, capped at an hour against nonsense.
+func retryDelay(lo, hi time.Duration, attempts int, retryAfter time.Duration) time.Duration {
+	ceiling := lo << min(max(attempts-1, 0), 30)
+	if ceiling <= 0 || ceiling > hi {
+		ceiling = hi
+	}
+	wait := ceiling/2 + rand.N(ceiling/2+1)
+	return max(wait, min(retryAfter, time.Hour))
 }

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -18,6 +19,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/txbox/txbox/dlq"
+	"github.com/txbox/txbox/internal/failpoint"
 	"github.com/txbox/txbox/internal/metrics"
 	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/outbox"
@@ -48,18 +50,33 @@ type Config struct {
 	// value (a relay refuses to start while relays of another layout hold leases). If not specified,
 	// defaults to 16.
 	Shards int
-	// LeaseTTL is how long a lease lasts without renewal; a dead relay's shards are taken over within
-	// about one LeaseTTL. Leases are renewed every LeaseTTL/3. If not specified, defaults to 10s.
+	// LeaseTTL is how long a lease lasts without renewal; a dead or frozen relay's shards are taken
+	// over within about one LeaseTTL of its last renewal. Leases are renewed every LeaseTTL/3. It
+	// also bounds every transaction the relay runs on the lease table: a lock is waited for at most
+	// LeaseTTL/4, and a session left idle inside a transaction (a process frozen mid-transaction)
+	// is ended by PostgreSQL after LeaseTTL/3. Between 300ms and 10m; if not specified, defaults to
+	// 10s.
 	LeaseTTL time.Duration
-	// BatchSize is the most rows read, published and completed together. If not specified, defaults
-	// to 500.
+	// BatchSize is the most rows read, published and completed together. Between 1 and 10000; if
+	// not specified, defaults to 500.
 	BatchSize int
 	// PollInterval is how long an idle shard waits before looking for new rows again: the publish
-	// latency at low load. If not specified, defaults to 25ms.
+	// latency at low load. At most 1m; if not specified, defaults to 25ms.
 	PollInterval time.Duration
-	// StatsInterval is how often backlog and dead-letter gauges are refreshed. If not specified,
-	// defaults to 10s.
+	// StatsInterval is how often backlog and dead-letter gauges are refreshed. At most 1h; if not
+	// specified, defaults to 10s.
 	StatsInterval time.Duration
+	// MaxPublishAttempts is how many times a message the broker refused for a reason that may pass
+	// (its topic does not exist yet, the relay may not write to it) is tried before it goes to the
+	// dead-letter table. Meanwhile it waits between attempts, holding back the later messages of its
+	// partition key only. A message that can never be accepted as it is (an invalid topic name, a
+	// record too large) goes to the dead-letter table at once. Between 1 and 1000; if not
+	// specified, defaults to 10, which with the default backoffs is about three minutes.
+	MaxPublishAttempts int
+	// MinPublishBackoff and MaxPublishBackoff bound the wait before a refused message is tried
+	// again: exponential in its attempts, with jitter. MaxPublishBackoff is at most 24h; if not
+	// specified, they default to 1s and 1m.
+	MinPublishBackoff, MaxPublishBackoff time.Duration
 	// Calls, when set, makes the relay execute side-effect calls written with outbox.Call. If not
 	// specified, call rows are left pending.
 	Calls *CallConfig
@@ -76,11 +93,14 @@ type Config struct {
 
 // Defaults for Config.
 const (
-	DefaultShards        = 16
-	DefaultLeaseTTL      = 10 * time.Second
-	DefaultBatchSize     = 500
-	DefaultPollInterval  = 25 * time.Millisecond
-	DefaultStatsInterval = 10 * time.Second
+	DefaultShards             = 16
+	DefaultLeaseTTL           = 10 * time.Second
+	DefaultBatchSize          = 500
+	DefaultPollInterval       = 25 * time.Millisecond
+	DefaultStatsInterval      = 10 * time.Second
+	DefaultMaxPublishAttempts = 10
+	DefaultMinPublishBackoff  = time.Second
+	DefaultMaxPublishBackoff  = time.Minute
 )
 
 // Relay publishes outbox rows. Create it with New and run it with Run.
@@ -117,26 +137,21 @@ func New(cfg Config) (*Relay, error) {
 	if cfg.Shards < 0 || cfg.Shards > outbox.Slots || outbox.Slots%cfg.Shards != 0 {
 		return nil, fmt.Errorf("relay: Config.Shards must divide %d (1, 2, 4, ... 256), got %d", outbox.Slots, cfg.Shards)
 	}
-	if cfg.LeaseTTL == 0 {
-		cfg.LeaseTTL = DefaultLeaseTTL
+	if v, ok := cfg.Sink.(interface{ validate() error }); ok {
+		if err := v.validate(); err != nil {
+			return nil, err
+		}
 	}
-	if cfg.LeaseTTL < 300*time.Millisecond {
-		return nil, fmt.Errorf("relay: Config.LeaseTTL must be at least 300ms, got %s", cfg.LeaseTTL)
-	}
-	if cfg.BatchSize == 0 {
-		cfg.BatchSize = DefaultBatchSize
-	}
-	if cfg.BatchSize < 0 || cfg.BatchSize > 10000 {
-		return nil, fmt.Errorf("relay: Config.BatchSize must be between 1 and 10000, got %d", cfg.BatchSize)
-	}
-	if cfg.PollInterval == 0 {
-		cfg.PollInterval = DefaultPollInterval
-	}
-	if cfg.PollInterval < 0 {
-		return nil, fmt.Errorf("relay: Config.PollInterval must be positive, got %s", cfg.PollInterval)
-	}
-	if cfg.StatsInterval == 0 {
-		cfg.StatsInterval = DefaultStatsInterval
+	setting(&err, "Config.LeaseTTL", &cfg.LeaseTTL, DefaultLeaseTTL, 300*time.Millisecond, 10*time.Minute)
+	setting(&err, "Config.BatchSize", &cfg.BatchSize, DefaultBatchSize, 1, 10000)
+	setting(&err, "Config.PollInterval", &cfg.PollInterval, DefaultPollInterval, 1, time.Minute)
+	setting(&err, "Config.StatsInterval", &cfg.StatsInterval, DefaultStatsInterval, 1, time.Hour)
+	setting(&err, "Config.MaxPublishAttempts", &cfg.MaxPublishAttempts, DefaultMaxPublishAttempts, 1, 1000)
+	setting(&err, "Config.MinPublishBackoff", &cfg.MinPublishBackoff, DefaultMinPublishBackoff, 1, 24*time.Hour)
+	setting(&err, "Config.MaxPublishBackoff", &cfg.MaxPublishBackoff, max(DefaultMaxPublishBackoff, cfg.MinPublishBackoff),
+		cfg.MinPublishBackoff, 24*time.Hour)
+	if err != nil {
+		return nil, err
 	}
 	if cfg.Owner == "" {
 		host, _ := os.Hostname()
@@ -146,9 +161,11 @@ func New(cfg Config) (*Relay, error) {
 		cfg.Logger = slog.Default()
 	}
 	if cfg.Calls != nil {
-		if err := cfg.Calls.validate(); err != nil {
-			return nil, fmt.Errorf("relay: Config.Calls: %w", err)
+		calls, err := cfg.Calls.resolve(cfg.LeaseTTL)
+		if err != nil {
+			return nil, err
 		}
+		cfg.Calls = &calls
 	}
 	dead, err := dlq.NewWriter(cfg.Schema)
 	if err != nil {
@@ -185,9 +202,10 @@ func (r *Relay) Shards() map[int]int64 {
 }
 
 // Run takes leases and publishes until ctx is cancelled, then finishes the batches in flight (for at
-// most one LeaseTTL), gives its leases up so other relays take over at once, and returns nil.
-// It returns an error only when it cannot start.
+// most one LeaseTTL, however long the broker takes to answer), gives its leases up so other relays
+// take over at once, and returns nil. It returns an error only when it cannot start.
 func (r *Relay) Run(ctx context.Context) error {
+	failpoint.HitContext(ctx, "relay.before-start")
 	if err := r.prepareLeases(ctx); err != nil {
 		return err
 	}
@@ -201,10 +219,10 @@ func (r *Relay) Run(ctx context.Context) error {
 	}()
 
 	lost := make(chan *lease, r.cfg.Shards)
-	tick := time.NewTicker(r.cfg.LeaseTTL / 3)
-	defer tick.Stop()
+	timer := time.NewTimer(r.cfg.LeaseTTL / 3)
+	defer timer.Stop()
 	for {
-		r.balance(ctx, lost)
+		timer.Reset(r.balance(ctx, lost))
 		select {
 		case <-ctx.Done():
 			r.shutdown()
@@ -213,58 +231,125 @@ func (r *Relay) Run(ctx context.Context) error {
 			return nil
 		case l := <-lost:
 			r.drop(l, "fenced")
-		case <-tick.C:
+		case <-timer.C:
 		}
 	}
 }
 
 // prepareLeases makes sure the lease table has this relay's layout, refusing to change it while
-// relays of another layout hold leases.
+// relays of another layout hold leases. It takes no table lock, waits for no lease row, and retries
+// while its bounded waits run out, so a relay starting never delays the others' renewals.
 func (r *Relay) prepareLeases(ctx context.Context) error {
-	return pgx.BeginFunc(ctx, r.cfg.DB, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, r.sql.lockLeases); err != nil {
-			return fmt.Errorf("relay: lock leases: %w", err)
+	for attempt := 1; ; attempt++ {
+		err := r.bounded(ctx, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, r.sql.layoutLock); err != nil {
+				return fmt.Errorf("relay: lock lease layout: %w", err)
+			}
+			var other int
+			err := tx.QueryRow(ctx, r.sql.liveOtherLayout, r.cfg.Shards).Scan(&other)
+			if err == nil {
+				return fmt.Errorf("relay: Config.Shards is %d but running relays hold leases of a %d-shard layout; stop them (or wait one lease TTL) before changing it, or use %d", r.cfg.Shards, other, other)
+			}
+			if !errors.Is(err, pgx.ErrNoRows) {
+				return fmt.Errorf("relay: check lease layout: %w", err)
+			}
+			if _, err := tx.Exec(ctx, r.sql.dropOtherLayout, r.cfg.Shards); err != nil {
+				return fmt.Errorf("relay: drop old lease layout: %w", err)
+			}
+			if _, err := tx.Exec(ctx, r.sql.createLeases, r.cfg.Shards); err != nil {
+				return fmt.Errorf("relay: create leases: %w", err)
+			}
+			return nil
+		})
+		if !timedOut(err) || ctx.Err() != nil {
+			return err
 		}
-		var other int
-		err := tx.QueryRow(ctx, r.sql.liveOtherLayout, r.cfg.Shards).Scan(&other)
-		if err == nil {
-			return fmt.Errorf("relay: Config.Shards is %d but running relays hold leases of a %d-shard layout; stop them (or wait one lease TTL) before changing it, or use %d", r.cfg.Shards, other, other)
+		if attempt == 1 {
+			r.log.Warn("preparing the lease table timed out; retrying", "error", err)
 		}
-		if !errors.Is(err, pgx.ErrNoRows) {
-			return fmt.Errorf("relay: check lease layout: %w", err)
+		t := time.NewTimer(backoff(attempt))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return fmt.Errorf("relay: stopped before it could start: %w", err)
+		case <-t.C:
 		}
-		if _, err := tx.Exec(ctx, r.sql.dropOtherLayout, r.cfg.Shards); err != nil {
-			return fmt.Errorf("relay: drop old lease layout: %w", err)
+	}
+}
+
+// bounded runs fn in a transaction whose waits are bounded by the lease TTL (see setBounds): a lock
+// is waited for at most LeaseTTL/4, a statement runs at most LeaseTTL, and a session left idle in
+// the transaction is ended after LeaseTTL/3. Every transaction the relay runs on leases and on
+// rows it completes goes through it.
+func (r *Relay) bounded(ctx context.Context, fn func(pgx.Tx) error) error {
+	ttl := r.cfg.LeaseTTL
+	return inBoundedTx(ctx, r.cfg.DB, ttl/4, ttl, ttl/3, fn)
+}
+
+// inBoundedTx runs fn in a transaction of db with the given lock, statement and idle timeouts.
+func inBoundedTx(ctx context.Context, db interface {
+	Begin(context.Context) (pgx.Tx, error)
+}, lock, statement, idle time.Duration, fn func(pgx.Tx) error,
+) error {
+	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		ms := func(d time.Duration) string { return strconv.FormatInt(max(d.Milliseconds(), 1), 10) }
+		if _, err := tx.Exec(ctx, setBounds, ms(lock), ms(statement), ms(idle)); err != nil {
+			return fmt.Errorf("relay: bound transaction: %w", err)
 		}
-		if _, err := tx.Exec(ctx, r.sql.createLeases, r.cfg.Shards); err != nil {
-			return fmt.Errorf("relay: create leases: %w", err)
-		}
-		return nil
+		return fn(tx)
 	})
 }
 
+// timedOut reports whether err is a bounded wait running out (a lock, a statement, a session idle
+// in its transaction) rather than a failure that retrying cannot fix.
+func timedOut(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "55P03" || pgErr.Code == "57014" || pgErr.Code == "25P03")
+}
+
+// expirySlack is how long after a lease or relay runs out, by the database's clock, a relay looks
+// for leases to take: a little later than the expiry, so that it has passed when the look runs.
+const expirySlack = 20 * time.Millisecond
+
 // balance renews the leases held, then takes or gives up leases so that each live relay holds its
-// fair share. Errors are logged and retried on the next tick: a relay whose database is away loses
-// its leases by expiry, and the fence keeps it from doing harm meanwhile.
-func (r *Relay) balance(ctx context.Context, lost chan<- *lease) {
+// fair share, and returns how long to wait before the next round: LeaseTTL/3, or less when another
+// relay's lease or heartbeat runs out sooner, so that a dead or frozen relay's shards are taken over
+// right when its leases run out. Errors are logged and retried on the next round: a relay whose
+// database is away loses its leases by expiry, and the fence keeps it from doing harm meanwhile.
+func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Duration) {
+	next = r.cfg.LeaseTTL / 3
 	if ctx.Err() != nil {
-		return
+		return next
 	}
 	ttl := r.cfg.LeaseTTL.Milliseconds()
 	if err := r.renew(ctx, ttl); err != nil {
 		r.logDB("renew leases", err)
-		return
+		return next
 	}
+	// Who is alive and when the next lease or relay of others runs out are read at one instant:
+	// a relay counted alive here is the expiry to wake up for.
 	var live int
-	if _, err := r.cfg.DB.Exec(ctx, r.sql.heartbeat, r.cfg.Owner, ttl); err != nil {
+	var wake *int64
+	err := r.bounded(ctx, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, r.sql.heartbeat, r.cfg.Owner, ttl); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, r.sql.pruneNodes); err != nil {
+			return err
+		}
+		if err := tx.QueryRow(ctx, r.sql.liveNodes).Scan(&live); err != nil {
+			return err
+		}
+		return tx.QueryRow(ctx, r.sql.nextExpiry, r.cfg.Owner, r.cfg.Shards).Scan(&wake)
+	})
+	if err != nil {
 		r.logDB("heartbeat", err)
-		return
-	}
-	if err := r.cfg.DB.QueryRow(ctx, r.sql.liveNodes).Scan(&live); err != nil {
-		r.logDB("count relays", err)
-		return
+		return next
 	}
 	r.dbOK()
+	if wake != nil {
+		next = min(next, max(time.Duration(*wake)*time.Millisecond, 0)+expirySlack)
+	}
 	fair := (r.cfg.Shards + max(live, 1) - 1) / max(live, 1)
 
 	r.mu.Lock()
@@ -272,24 +357,21 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) {
 	r.mu.Unlock()
 	switch {
 	case n < fair:
-		rows, err := r.cfg.DB.Query(ctx, r.sql.acquire, r.cfg.Owner, ttl, r.cfg.Shards, fair-n)
+		var got []*lease
+		err := r.bounded(ctx, func(tx pgx.Tx) error {
+			rows, err := tx.Query(ctx, r.sql.acquire, r.cfg.Owner, ttl, r.cfg.Shards, fair-n)
+			if err != nil {
+				return err
+			}
+			got, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (*lease, error) {
+				l := &lease{}
+				return l, row.Scan(&l.shard, &l.token)
+			})
+			return err
+		})
 		if err != nil {
 			r.logDB("acquire leases", err)
-			return
-		}
-		var got []*lease
-		for rows.Next() {
-			l := &lease{}
-			if err := rows.Scan(&l.shard, &l.token); err != nil {
-				rows.Close()
-				r.logDB("acquire leases", err)
-				return
-			}
-			got = append(got, l)
-		}
-		if err := rows.Err(); err != nil {
-			r.logDB("acquire leases", err)
-			return
+			return next
 		}
 		for _, l := range got {
 			r.start(ctx, l, lost)
@@ -307,9 +389,7 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) {
 			r.release(l)
 		}
 	}
-	if _, err := r.cfg.DB.Exec(ctx, r.sql.pruneNodes); err != nil {
-		r.logDB("prune relays", err)
-	}
+	return next
 }
 
 func (r *Relay) renew(ctx context.Context, ttl int64) error {
@@ -324,11 +404,15 @@ func (r *Relay) renew(ctx context.Context, ttl int64) error {
 	if len(shards) == 0 {
 		return nil
 	}
-	rows, err := r.cfg.DB.Query(ctx, r.sql.renew, shards, tokens, ttl)
-	if err != nil {
+	var renewed []int32
+	err := r.bounded(ctx, func(tx pgx.Tx) error {
+		rows, err := tx.Query(ctx, r.sql.renew, shards, tokens, ttl)
+		if err != nil {
+			return err
+		}
+		renewed, err = pgx.CollectRows(rows, pgx.RowTo[int32])
 		return err
-	}
-	renewed, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	})
 	if err != nil {
 		return err
 	}
@@ -434,7 +518,11 @@ func (r *Relay) release(l *lease) {
 		<-l.done
 		ctx, cancel := context.WithTimeout(context.Background(), r.cfg.LeaseTTL)
 		defer cancel()
-		if _, err := r.cfg.DB.Exec(ctx, r.sql.release, l.shard, l.token); err != nil {
+		err := r.bounded(ctx, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, r.sql.release, l.shard, l.token)
+			return err
+		})
+		if err != nil {
 			r.log.Warn("could not release lease; it will expire", "shard", l.shard, "error", err)
 			return
 		}
@@ -455,7 +543,11 @@ func (r *Relay) shutdown() {
 	r.winding.Wait()
 	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.LeaseTTL)
 	defer cancel()
-	if _, err := r.cfg.DB.Exec(ctx, r.sql.forgetNode, r.cfg.Owner); err != nil {
+	err := r.bounded(ctx, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, r.sql.forgetNode, r.cfg.Owner)
+		return err
+	})
+	if err != nil {
 		r.log.Warn("could not deregister relay", "error", err)
 	}
 }
@@ -483,6 +575,26 @@ func (r *Relay) reportStats(ctx context.Context) {
 			return
 		case <-t.C:
 		}
+	}
+}
+
+// setting gives a zero setting its default and checks that it lies within [lo, hi], setting *err
+// to an error that names the field if it does not. Once *err is set it does nothing, so a
+// constructor checks its settings one after the other and reports the first bad one.
+func setting[T int | time.Duration](err *error, field string, v *T, def, lo, hi T) {
+	if *err != nil {
+		return
+	}
+	if *v == 0 {
+		*v = def
+	}
+	switch {
+	case *v < lo && lo == 1:
+		*err = fmt.Errorf("relay: %s must be positive (zero means the default, %v), got %v", field, def, *v)
+	case *v < lo:
+		*err = fmt.Errorf("relay: %s must be at least %v, got %v", field, lo, *v)
+	case *v > hi:
+		*err = fmt.Errorf("relay: %s must be at most %v, got %v", field, hi, *v)
 	}
 }
 

@@ -1,16 +1,24 @@
 package relay
 
-import "github.com/txbox/txbox/internal/sqlname"
+import (
+	"strings"
 
-// setIdleTimeout bounds, for the rest of a fenced transaction, how long the session may sit idle
-// in it before PostgreSQL ends the session ($1 in milliseconds).
-const setIdleTimeout = `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`
+	"github.com/txbox/txbox/internal/sqlname"
+)
+
+// setBounds bounds, for the rest of a transaction, how long a statement waits for a lock ($1), how
+// long a statement runs ($2), and how long the session may sit idle inside the transaction before
+// PostgreSQL ends the session ($3), all in milliseconds. A process frozen inside a transaction (a
+// GC pause, SIGSTOP, a VM freeze) then holds its locks for $3 at most, and nobody waits for a lock
+// longer than $1: a frozen process delays no one else's renewal.
+const setBounds = `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true),
+	set_config('idle_in_transaction_session_timeout', $3, true)`
 
 type queries struct {
-	lockLeases, liveOtherLayout, dropOtherLayout, createLeases,
-	heartbeat, forgetNode, liveNodes, pruneNodes,
+	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
+	heartbeat, forgetNode, liveNodes, pruneNodes, nextExpiry,
 	acquire, renew, release, checkLease,
-	readMessages, deleteRows, stats string
+	readMessages, refuseMessage, deleteRows, stats string
 
 	readCalls, startCall, rescheduleCall, insertCallResult string
 }
@@ -18,17 +26,30 @@ type queries struct {
 func renderQueries(schema string) queries {
 	r := func(s string) string { return sqlname.Render(s, schema) }
 	return queries{
-		lockLeases:      r(`LOCK TABLE {schema}.txbox_lease IN EXCLUSIVE MODE`),
+		// Relays starting at once take turns checking the layout. Not a table lock: one queues
+		// behind any row lock (a relay frozen in a fenced transaction holds one) and every renewal
+		// then queues behind it.
+		layoutLock:      r(`SELECT pg_advisory_xact_lock(hashtextextended('{schema}.txbox_lease', 0))`),
 		liveOtherLayout: r(`SELECT shards FROM {schema}.txbox_lease WHERE shards <> $1 AND owner IS NOT NULL AND expires_at > now() LIMIT 1`),
-		dropOtherLayout: r(`DELETE FROM {schema}.txbox_lease WHERE shards <> $1`),
+		// Only dead leases: a relay of the other layout may have taken one since the check.
+		dropOtherLayout: r(`DELETE FROM {schema}.txbox_lease WHERE shards <> $1 AND (owner IS NULL OR expires_at <= now())`),
+		// Inserts only missing rows, so it never meets (or waits for) a row another relay holds.
 		createLeases: r(`INSERT INTO {schema}.txbox_lease (shard, shards)
-			SELECT s, $1 FROM generate_series(0, $1 - 1) AS s ON CONFLICT (shard) DO NOTHING`),
+			SELECT s, $1 FROM generate_series(0, $1 - 1) AS s
+			WHERE NOT EXISTS (SELECT 1 FROM {schema}.txbox_lease AS l WHERE l.shard = s)
+			ON CONFLICT (shard) DO NOTHING`),
 
 		heartbeat: r(`INSERT INTO {schema}.txbox_relay_node (owner, expires_at) VALUES ($1, now() + $2 * interval '1 millisecond')
 			ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at`),
 		forgetNode: r(`DELETE FROM {schema}.txbox_relay_node WHERE owner = $1`),
 		liveNodes:  r(`SELECT count(*) FROM {schema}.txbox_relay_node WHERE expires_at > now()`),
 		pruneNodes: r(`DELETE FROM {schema}.txbox_relay_node WHERE expires_at < now() - interval '1 hour'`),
+		// Milliseconds until the next lease or relay of others runs out (NULL: none will), so a
+		// relay looks for leases to take right then rather than up to a renewal period later.
+		nextExpiry: r(`SELECT (extract(epoch FROM least(
+				(SELECT min(expires_at) FROM {schema}.txbox_lease WHERE shards = $2 AND owner IS DISTINCT FROM $1 AND expires_at > now()),
+				(SELECT min(expires_at) FROM {schema}.txbox_relay_node WHERE owner <> $1 AND expires_at > now())
+			) - now()) * 1000)::bigint`),
 
 		// Only a free or expired lease is taken, by the database's clock; the token comes from a
 		// sequence, so it is new even for the same owner.
@@ -46,9 +67,22 @@ func renderQueries(schema string) queries {
 		// before (the token differs: no row) or waits until this transaction ends.
 		checkLease: r(`SELECT 1 FROM {schema}.txbox_lease WHERE shard = $1 AND token = $2 FOR UPDATE`),
 
-		// Pending means present: a row that commits late is read whenever it becomes visible.
-		readMessages: r(`SELECT id, topic, partition_key, uuid, payload, metadata::text
-			FROM {schema}.txbox_outbox WHERE kind = 'message' AND slot = ANY($1) ORDER BY id LIMIT $2`),
+		// Pending means present: a row that commits late is read whenever it becomes visible. A
+		// message the broker refused waits until its next attempt, and so does every later
+		// message of its partition key (messages without a key have no order to keep).
+		readMessages: r(`SELECT o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text, o.attempts
+			FROM {schema}.txbox_outbox AS o
+			WHERE o.kind = 'message' AND o.slot = ANY($1) AND o.next_attempt_at <= now()
+			  AND (o.partition_key = '' OR NOT EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS h
+				WHERE h.kind = 'message' AND h.attempts > 0 AND h.slot = o.slot AND h.partition_key = o.partition_key
+				  AND h.id < o.id AND h.next_attempt_at > now()))
+			ORDER BY o.id LIMIT $2`),
+		// Counts a refused publish of one message and sets its next attempt $3 ms from now.
+		refuseMessage: r(`UPDATE {schema}.txbox_outbox
+			SET attempts = attempts + 1, first_attempt_at = coalesce(first_attempt_at, now()), last_error = left($2, 4000),
+				next_attempt_at = clock_timestamp() + $3 * interval '1 millisecond'
+			WHERE id = $1 AND kind = 'message'
+			RETURNING attempts`),
 		deleteRows: r(`DELETE FROM {schema}.txbox_outbox WHERE id = ANY($1)`),
 		stats:      r(`SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM {schema}.txbox_outbox`),
 
@@ -62,39 +96,90 @@ func renderQueries(schema string) queries {
 			ORDER BY o.id LIMIT $2`),
 		// Runs in the fenced transaction right before a send: the first attempt is recorded before
 		// any byte leaves, and the age is measured by the database clock at this instant
-		// (clock_timestamp, not the transaction's start).
-		startCall: r(`UPDATE {schema}.txbox_outbox
-			SET first_attempt_at = coalesce(first_attempt_at, now()), attempts = attempts + 1
-			WHERE id = $1 AND kind = 'call'
-			RETURNING attempts, first_attempt_at, (extract(epoch FROM clock_timestamp() - first_attempt_at) * 1000)::bigint`),
+		// (clock_timestamp, not the transaction's start). The age is the idempotency key's: from
+		// the first attempt of any call with the key, pending or completed, since the provider
+		// forgets the key a fixed time after it first saw it, whichever call sent it.
+		startCall: r(`WITH c AS (
+				UPDATE {schema}.txbox_outbox
+				SET first_attempt_at = coalesce(first_attempt_at, now()), attempts = attempts + 1
+				WHERE id = $1 AND kind = 'call'
+				RETURNING attempts, first_attempt_at, idempotency_key)
+			SELECT c.attempts, k.first, (extract(epoch FROM clock_timestamp() - k.first) * 1000)::bigint
+			FROM c CROSS JOIN LATERAL (SELECT least(c.first_attempt_at,
+				(SELECT min(p.first_attempt_at) FROM {schema}.txbox_outbox AS p WHERE p.kind = 'call' AND p.idempotency_key = c.idempotency_key),
+				(SELECT r.first_attempt_at FROM {schema}.txbox_call_result AS r WHERE r.idempotency_key = c.idempotency_key)) AS first) AS k`),
 		rescheduleCall: r(`UPDATE {schema}.txbox_outbox
 			SET next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond', last_error = left($3, 4000)
 			WHERE id = $1`),
 		// A key used by two calls (an explicit key written twice) keeps its first result: the second
 		// call got the provider's replay of it.
 		insertCallResult: r(`INSERT INTO {schema}.txbox_call_result
-			(idempotency_key, call_uuid, outcome, http_status, object_id, body, attempts, duration_ms)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+			(idempotency_key, call_uuid, outcome, http_status, object_id, body, attempts, duration_ms, first_attempt_at)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
 			ON CONFLICT (idempotency_key) DO NOTHING`),
 	}
 }
 
-// Reports for operators (status.go): read-only, by the database clock.
+// adminQueries are the statements of Admin.
+type adminQueries struct {
+	backlog, list, get, lockLeaseOf, deleteRow string
+}
+
+// adminLayout is the shard layout an admin query groups rows by: $1, or when it is NULL the lease
+// table's (the running relays'), or 16 when the table is empty.
+const adminLayout = `WITH layout AS (SELECT coalesce($1::int, (SELECT max(shards) FROM {schema}.txbox_lease), 16) AS n) `
+
+// rowColumns is the column list of the admin's row queries, in scanRow's order; {payload} is
+// "payload", or "NULL::bytea" to leave it out.
+const rowColumns = `id, kind, slot % layout.n, topic, partition_key, uuid, coalesce(idempotency_key, ''), metadata::text,
+	{payload}, octet_length(payload), attempts, first_attempt_at,
+	CASE WHEN next_attempt_at > now() THEN next_attempt_at END, coalesce(last_error, ''), created_at,
+	(extract(epoch FROM now() - created_at) * 1000)::bigint`
+
+func renderAdminQueries(schema string) adminQueries {
+	r := func(s string) string { return sqlname.Render(s, schema) }
+	columns := func(payload string) string { return strings.ReplaceAll(rowColumns, "{payload}", payload) }
+	return adminQueries{
+		// Every shard of the layout, empty ones included, with the relay that holds a live lease
+		// on it.
+		backlog: r(adminLayout + `
+			SELECT s.shard, coalesce(b.messages, 0), coalesce(b.calls, 0), coalesce(b.failing, 0), coalesce(b.oldest_ms, 0),
+				coalesce(l.owner, '')
+			FROM layout CROSS JOIN generate_series(0, layout.n - 1) AS s(shard)
+			LEFT JOIN (SELECT o.slot % layout.n AS shard,
+					count(*) FILTER (WHERE o.kind = 'message') AS messages, count(*) FILTER (WHERE o.kind = 'call') AS calls,
+					count(*) FILTER (WHERE o.last_error IS NOT NULL) AS failing,
+					(extract(epoch FROM now() - min(o.created_at)) * 1000)::bigint AS oldest_ms
+				FROM {schema}.txbox_outbox AS o CROSS JOIN layout GROUP BY 1) AS b ON b.shard = s.shard
+			LEFT JOIN {schema}.txbox_lease AS l ON l.shard = s.shard AND l.shards = layout.n AND l.owner IS NOT NULL AND l.expires_at > now()
+			ORDER BY s.shard`),
+		// Filters, each NULL when open: $2 shards, $3 kind, $4 topic, $5 partition key, $6 failing
+		// only, $7 older than (ms); then $8 the id to start after and $9 the limit.
+		list: r(adminLayout + `SELECT ` + columns("NULL::bytea") + `
+			FROM {schema}.txbox_outbox CROSS JOIN layout
+			WHERE ($2::int[] IS NULL OR slot % layout.n = ANY($2))
+			  AND ($3::text IS NULL OR kind = $3) AND ($4::text IS NULL OR topic = $4)
+			  AND ($5::text IS NULL OR partition_key = $5) AND (NOT $6::bool OR last_error IS NOT NULL)
+			  AND ($7::bigint IS NULL OR created_at <= now() - $7 * interval '1 millisecond')
+			  AND id > $8
+			ORDER BY id LIMIT $9`),
+		get: r(adminLayout + `SELECT ` + columns("payload") + ` FROM {schema}.txbox_outbox CROSS JOIN layout WHERE id = $2`),
+		// The lease row of the shard that outbox row $1 belongs to, in whatever layout the table
+		// holds, locked as the relay's fenced transactions lock it.
+		lockLeaseOf: r(`SELECT l.shard FROM {schema}.txbox_lease AS l JOIN {schema}.txbox_outbox AS o ON l.shard = o.slot % l.shards
+			WHERE o.id = $1 FOR UPDATE OF l`),
+		deleteRow: r(`DELETE FROM {schema}.txbox_outbox WHERE id = $1`),
+	}
+}
+
+// Reports for operators (status.go) beside Admin's: read-only, by the database clock.
 const (
 	leasesSQL = `SELECT shard, shards, coalesce(owner, ''), token, CASE WHEN isfinite(expires_at) THEN expires_at END, expires_at <= now()
 		FROM {schema}.txbox_lease ORDER BY shard`
 	nodesSQL = `SELECT owner, expires_at, expires_at > now() AS live
 		FROM {schema}.txbox_relay_node ORDER BY live DESC, owner`
-	failingCallsSQL = `SELECT id, idempotency_key, coalesce(convert_from(payload, 'UTF8')::jsonb->>'name', ''), attempts,
-			coalesce(first_attempt_at, created_at), greatest(next_attempt_at, now()), last_error
-		FROM {schema}.txbox_outbox WHERE kind = 'call' AND last_error IS NOT NULL
-		ORDER BY first_attempt_at NULLS LAST, id LIMIT $1`
 	unsuccessfulCallsSQL = `SELECT idempotency_key, outcome, http_status, object_id, attempts, completed_at
 		FROM {schema}.txbox_call_result
 		WHERE outcome <> 'succeeded' AND completed_at > now() - $1 * interval '1 millisecond'
 		ORDER BY completed_at DESC LIMIT $2`
-	backlogSQL = `WITH layout AS (SELECT coalesce(max(shards), $1) AS n FROM {schema}.txbox_lease)
-		SELECT o.slot % layout.n, count(*) FILTER (WHERE o.kind = 'message'), count(*) FILTER (WHERE o.kind = 'call'),
-			extract(epoch FROM now() - min(o.created_at))::float8
-		FROM {schema}.txbox_outbox AS o, layout GROUP BY 1 ORDER BY 1`
 )

@@ -10,12 +10,6 @@ import (
 	"github.com/txbox/txbox/internal/sqlname"
 )
 
-// Queryer is what the relay's read-only reports need from PostgreSQL; *pgxpool.Pool and pgx.Tx
-// satisfy it.
-type Queryer interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-}
-
 // Lease is one shard's lease row as stored.
 type Lease struct {
 	Shard int `json:"shard"`
@@ -74,35 +68,6 @@ func Nodes(ctx context.Context, db Queryer, schema string) ([]Node, error) {
 	return out, nil
 }
 
-// FailingCall is a pending side-effect call whose last attempt failed and will be retried.
-type FailingCall struct {
-	ID             int64     `json:"id"`
-	IdempotencyKey string    `json:"idempotency_key"`
-	Name           string    `json:"name"`
-	Attempts       int       `json:"attempts"`
-	FirstAttemptAt time.Time `json:"first_attempt_at"`
-	NextAttemptAt  time.Time `json:"next_attempt_at"`
-	LastError      string    `json:"last_error"`
-}
-
-// FailingCalls returns up to limit pending calls whose last attempt failed, the oldest first
-// attempt first.
-func FailingCalls(ctx context.Context, db Queryer, schema string, limit int) ([]FailingCall, error) {
-	rows, err := query(ctx, db, schema, failingCallsSQL, limit)
-	if err != nil {
-		return nil, fmt.Errorf("relay: failing calls: %w", err)
-	}
-	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (FailingCall, error) {
-		var c FailingCall
-		err := row.Scan(&c.ID, &c.IdempotencyKey, &c.Name, &c.Attempts, &c.FirstAttemptAt, &c.NextAttemptAt, &c.LastError)
-		return c, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("relay: failing calls: %w", err)
-	}
-	return out, nil
-}
-
 // CallOutcome is the stored result of a call that did not succeed: declined or rejected.
 type CallOutcome struct {
 	IdempotencyKey string    `json:"idempotency_key"`
@@ -137,32 +102,4 @@ func query(ctx context.Context, db Queryer, schema, template string, args ...any
 		return nil, err
 	}
 	return db.Query(ctx, sqlname.Render(template, quoted), args...)
-}
-
-// ShardBacklog is what waits in the outbox for one shard.
-type ShardBacklog struct {
-	Shard    int   `json:"shard"`
-	Messages int64 `json:"messages"`
-	Calls    int64 `json:"calls"`
-	// OldestPendingSeconds is the age of the shard's oldest row, by the database clock.
-	OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
-}
-
-// Backlog returns the outbox rows waiting per shard of the current lease layout (DefaultShards
-// when no relay ever ran), for shards that have any. It counts every row: on a large backlog it
-// takes as long as a scan of the outbox.
-func Backlog(ctx context.Context, db Queryer, schema string) ([]ShardBacklog, error) {
-	rows, err := query(ctx, db, schema, backlogSQL, DefaultShards)
-	if err != nil {
-		return nil, fmt.Errorf("relay: backlog: %w", err)
-	}
-	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (ShardBacklog, error) {
-		var b ShardBacklog
-		err := row.Scan(&b.Shard, &b.Messages, &b.Calls, &b.OldestPendingSeconds)
-		return b, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("relay: backlog: %w", err)
-	}
-	return out, nil
 }

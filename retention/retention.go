@@ -17,8 +17,10 @@ import (
 const (
 	DefaultInboxRetention      = 15 * 24 * time.Hour
 	DefaultCallResultRetention = 30 * 24 * time.Hour
-	DefaultBatchSize           = 1000
-	DefaultInterval            = time.Hour
+	// MinCallResultRetention is Stripe's idempotency key lifetime: a call result must outlive it.
+	MinCallResultRetention = 24 * time.Hour
+	DefaultBatchSize       = 1000
+	DefaultInterval        = time.Hour
 )
 
 // tables are the tables whose sizes are reported, in this order.
@@ -50,7 +52,8 @@ type Config struct {
 	// a redelivery (retention.ms of 7 days plus segment.ms of 7 days).
 	InboxRetention time.Duration
 	// CallResultRetention is how long the results of side-effect calls are kept for audit and
-	// reconciliation. If not specified, defaults to DefaultCallResultRetention (30 days).
+	// reconciliation. If not specified, defaults to DefaultCallResultRetention (30 days); at least
+	// MinCallResultRetention (24h).
 	CallResultRetention time.Duration
 	// BatchSize is the most rows one DELETE removes. If not specified, defaults to
 	// DefaultBatchSize (1000).
@@ -109,6 +112,10 @@ func New(cfg Config) (*Cleaner, error) {
 	}
 	if cfg.CallResultRetention == 0 {
 		cfg.CallResultRetention = DefaultCallResultRetention
+	}
+	if cfg.CallResultRetention < MinCallResultRetention {
+		return nil, fmt.Errorf("retention: Config.CallResultRetention must be at least %s, got %s: the relay measures the replay "+
+			"window of an idempotency key used again from the first attempt stored with its result", MinCallResultRetention, cfg.CallResultRetention)
 	}
 	if cfg.BatchSize == 0 {
 		cfg.BatchSize = DefaultBatchSize

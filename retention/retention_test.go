@@ -127,6 +127,7 @@ func TestConfigValidation(t *testing.T) {
 		{"default inbox retention against a longer broker retention", retention.Config{DB: env.Pool, BrokerRetention: 15 * day},
 			"Config.InboxRetention (360h0m0s) must be longer than Config.BrokerRetention (360h0m0s)"},
 		{"negative", retention.Config{DB: env.Pool, BrokerRetention: day, CallResultRetention: -day}, "Config.CallResultRetention must not be negative"},
+		{"shorter than the provider's key lifetime", retention.Config{DB: env.Pool, BrokerRetention: day, CallResultRetention: 12 * time.Hour}, "Config.CallResultRetention must be at least 24h0m0s"},
 		{"negative batch", retention.Config{DB: env.Pool, BrokerRetention: day, BatchSize: -1}, "Config.BatchSize must not be negative"},
 		{"bad schema", retention.Config{DB: env.Pool, BrokerRetention: day, Schema: "Robert'); DROP"}, "Config.Schema"},
 	} {

@@ -74,8 +74,21 @@ type Outbox struct {
 	// Pending is the number of rows (messages and calls) not yet published or executed.
 	Pending              int64   `json:"pending"`
 	OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
-	// Shards lists the shards that have rows waiting, by shard.
-	Shards []relay.ShardBacklog `json:"shards"`
+	// Shards lists every shard of the lease layout, by shard (relay.Admin.Backlog).
+	Shards []Shard `json:"shards"`
+}
+
+// Shard is what waits in one shard, and who publishes it.
+type Shard struct {
+	Shard    int   `json:"shard"`
+	Messages int64 `json:"messages"`
+	Calls    int64 `json:"calls"`
+	// Failing counts the rows whose last attempt failed and wait for their next one.
+	Failing              int64   `json:"failing"`
+	OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
+	// Owner is the relay holding a live lease on the shard; "" when none does, and then nothing
+	// publishes it.
+	Owner string `json:"owner"`
 }
 
 // DeadLetters is the dead-letter depth of one source.
@@ -95,11 +108,23 @@ type Dedup struct {
 // Calls are the recent failures of side-effect calls.
 type Calls struct {
 	// Failing are pending calls whose last attempt failed; they will be retried.
-	Failing []relay.FailingCall `json:"failing"`
+	Failing []FailingCall `json:"failing"`
 	// Unsuccessful are calls completed in the window with an outcome other than succeeded.
 	Unsuccessful []relay.CallOutcome `json:"unsuccessful"`
 	// DeadLetters are call letters first failed in the window: a person must reconcile them.
 	DeadLetters []CallLetter `json:"dead_letters"`
+}
+
+// FailingCall is a pending call whose last attempt failed.
+type FailingCall struct {
+	ID             int64     `json:"id"`
+	IdempotencyKey string    `json:"idempotency_key"`
+	Shard          int       `json:"shard"`
+	Attempts       int       `json:"attempts"`
+	FirstAttemptAt time.Time `json:"first_attempt_at"`
+	// NextAttemptAt is when it is sent again; nil when it is due now.
+	NextAttemptAt *time.Time `json:"next_attempt_at"`
+	LastError     string     `json:"last_error"`
 }
 
 // CallLetter is a dead-lettered call, without its request.
@@ -148,8 +173,12 @@ func Read(ctx context.Context, db DB, opts Options) (*Report, error) {
 	case opts.Limit < 0:
 		return nil, fmt.Errorf("status: Options.Limit must be positive, got %d", opts.Limit)
 	}
-	letters, err := dlq.NewAdmin(dlq.AdminConfig{Schema: opts.Schema})
-	if err != nil {
+	admin := admins{}
+	var err error
+	if admin.letters, err = dlq.NewAdmin(dlq.AdminConfig{Schema: opts.Schema}); err != nil {
+		return nil, fmt.Errorf("status: %w", err)
+	}
+	if admin.outbox, err = relay.NewAdmin(relay.AdminConfig{Schema: opts.Schema}); err != nil {
 		return nil, fmt.Errorf("status: %w", err)
 	}
 
@@ -158,7 +187,7 @@ func Read(ctx context.Context, db DB, opts Options) (*Report, error) {
 		if err := tx.QueryRow(ctx, `SELECT now()`).Scan(&rep.At); err != nil {
 			return err
 		}
-		return read(ctx, tx, opts, letters, rep)
+		return read(ctx, tx, opts, admin, rep)
 	})
 	if err != nil {
 		return nil, fmt.Errorf("status: %w", err)
@@ -166,13 +195,22 @@ func Read(ctx context.Context, db DB, opts Options) (*Report, error) {
 	return rep, nil
 }
 
+// admins read the tables of the outbox and of the dead letters.
+type admins struct {
+	outbox  *relay.Admin
+	letters *dlq.Admin
+}
+
 // read fills rep from tx, a snapshot taken at rep.At.
-func read(ctx context.Context, tx pgx.Tx, opts Options, letters *dlq.Admin, rep *Report) error {
-	var err error
-	if rep.Outbox.Shards, err = relay.Backlog(ctx, tx, opts.Schema); err != nil {
+func read(ctx context.Context, tx pgx.Tx, opts Options, admin admins, rep *Report) error {
+	backlog, err := admin.outbox.Backlog(ctx, tx)
+	if err != nil {
 		return err
 	}
-	for _, s := range rep.Outbox.Shards {
+	for _, b := range backlog {
+		s := Shard{Shard: b.Shard, Messages: b.Messages, Calls: b.Calls, Failing: b.Failing,
+			OldestPendingSeconds: b.OldestAge.Seconds(), Owner: b.Owner}
+		rep.Outbox.Shards = append(rep.Outbox.Shards, s)
 		rep.Outbox.Pending += s.Messages + s.Calls
 		rep.Outbox.OldestPendingSeconds = max(rep.Outbox.OldestPendingSeconds, s.OldestPendingSeconds)
 	}
@@ -203,13 +241,22 @@ func read(ctx context.Context, tx pgx.Tx, opts Options, letters *dlq.Admin, rep 
 		rep.Dedup = append(rep.Dedup, Dedup{DedupStat: s, AgeSeconds: age})
 	}
 
-	if rep.Calls.Failing, err = relay.FailingCalls(ctx, tx, opts.Schema, opts.Limit); err != nil {
+	failing, err := admin.outbox.List(ctx, tx, relay.Filter{Kind: "call", Failing: true, Limit: opts.Limit})
+	if err != nil {
 		return err
+	}
+	for _, c := range failing {
+		f := FailingCall{ID: c.ID, IdempotencyKey: c.IdempotencyKey, Shard: c.Shard, Attempts: c.Attempts,
+			FirstAttemptAt: c.FirstAttemptAt, LastError: c.LastError}
+		if !c.NextAttemptAt.IsZero() {
+			f.NextAttemptAt = &c.NextAttemptAt
+		}
+		rep.Calls.Failing = append(rep.Calls.Failing, f)
 	}
 	if rep.Calls.Unsuccessful, err = relay.UnsuccessfulCalls(ctx, tx, opts.Schema, opts.Window, opts.Limit); err != nil {
 		return err
 	}
-	dead, err := letters.List(ctx, tx, dlq.Filter{Kind: "call", YoungerThan: opts.Window, Limit: opts.Limit})
+	dead, err := admin.letters.List(ctx, tx, dlq.Filter{Kind: "call", YoungerThan: opts.Window, Limit: opts.Limit})
 	if err != nil {
 		return err
 	}

@@ -104,15 +104,22 @@ func TestReadReportsEveryPart(t *testing.T) {
 	require.Equal(t, 3600.0, rep.WindowSeconds)
 
 	require.Equal(t, int64(3), rep.Outbox.Pending)
-	var messages, calls int64
-	for _, sh := range rep.Outbox.Shards {
-		require.Contains(t, []int{0, 1, 2, 3}, sh.Shard, "shards of the four-shard layout")
+	require.Len(t, rep.Outbox.Shards, 4, "every shard of the four-shard layout")
+	var messages, calls, failing int64
+	for i, sh := range rep.Outbox.Shards {
+		require.Equal(t, i, sh.Shard)
 		messages += sh.Messages
 		calls += sh.Calls
-		require.GreaterOrEqual(t, sh.OldestPendingSeconds, 0.0)
+		failing += sh.Failing
+		if sh.Shard == 0 {
+			require.Equal(t, "relay-a", sh.Owner, "the live lease's holder publishes shard 0")
+		} else {
+			require.Empty(t, sh.Owner, "no live lease on shard %d", sh.Shard)
+		}
 	}
 	require.Equal(t, int64(2), messages)
 	require.Equal(t, int64(1), calls)
+	require.Equal(t, int64(1), failing, "the call whose attempt failed")
 
 	require.Len(t, rep.Leases, 3)
 	require.NotNil(t, rep.Leases[0].ExpiresAt)
@@ -142,7 +149,7 @@ func TestReadReportsEveryPart(t *testing.T) {
 
 	require.Len(t, rep.Calls.Failing, 1)
 	require.Equal(t, s.callKey, rep.Calls.Failing[0].IdempotencyKey)
-	require.Equal(t, "charge", rep.Calls.Failing[0].Name)
+	require.NotNil(t, rep.Calls.Failing[0].NextAttemptAt)
 	require.Equal(t, 1, rep.Calls.Failing[0].Attempts)
 	require.Equal(t, "HTTP 503 api_error", rep.Calls.Failing[0].LastError)
 	require.Len(t, rep.Calls.Unsuccessful, 1, "the succeeded call is not a failure")

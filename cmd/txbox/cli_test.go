@@ -199,6 +199,19 @@ func TestUsageErrors(t *testing.T) {
 		{args: append(relay, "--call-timeout", "1m"), want: []string{"--call-timeout / TXBOX_CALL_TIMEOUT (1m) must not be longer than --lease-ttl / TXBOX_LEASE_TTL (10s)"}},
 		{args: append(relay, "--call-timeout", "1h"), want: []string{"--call-timeout / TXBOX_CALL_TIMEOUT must be a duration from 100ms to 10m"}},
 		{args: append(relay, "--call-timeout", "0"), want: []string{"--call-timeout / TXBOX_CALL_TIMEOUT must be a duration from 100ms"}},
+		{args: append(relay, "--stats-interval", "-1s"), want: []string{"--stats-interval / TXBOX_STATS_INTERVAL must be a duration from 1s to 1h"}},
+		{args: append(relay, "--max-publish-attempts", "0"), want: []string{"--max-publish-attempts / TXBOX_MAX_PUBLISH_ATTEMPTS must be a whole number from 1 to 1000"}},
+		{args: append(relay, "--max-publish-backoff", "25h"), want: []string{"--max-publish-backoff / TXBOX_MAX_PUBLISH_BACKOFF must be a duration from 1ms to 1d"}},
+		{args: append(relay, "--min-publish-backoff", "1m", "--max-publish-backoff", "1s"), want: []string{"--max-publish-backoff / TXBOX_MAX_PUBLISH_BACKOFF must be at least 1m"}},
+
+		// outbox.
+		{args: []string{"outbox"}, want: []string{"txbox outbox needs a subcommand: bury, list, show"}},
+		{args: []string{"outbox", "show", "abc"}, want: []string{`"abc" is not an outbox row id`}},
+		{args: []string{"outbox", "bury", "7"}, want: []string{"txbox outbox bury needs --reason"}},
+		{args: []string{"outbox", "bury", "7", "--reason", " "}, want: []string{"--reason must not be empty"}},
+		{args: []string{"outbox", "list", "--kind", "email"}, want: []string{`--kind must be one of message, call, got "email"`}},
+		{args: []string{"outbox", "list", "--limit", "0"}, want: []string{"--limit must be a whole number from 1 to 10000"}},
+		{args: []string{"outbox", "list", "--shard", "99"}, want: []string{"--shard 99: the relays' layout has 16 shards, 0 to 15"}},
 
 		// retention.
 		{args: []string{"retention"}, want: []string{"--broker-retention / TXBOX_BROKER_RETENTION is required"}},
@@ -211,6 +224,7 @@ func TestUsageErrors(t *testing.T) {
 		{args: []string{"retention", "--broker-retention", "15d"}, want: []string{"--inbox-retention / TXBOX_INBOX_RETENTION (15d) must be longer than --broker-retention / TXBOX_BROKER_RETENTION (15d)"}},
 		{args: append(retention, "--batch-size", "0"), want: []string{"--batch-size / TXBOX_RETENTION_BATCH_SIZE must be a whole number from 1 to 100000"}},
 		{args: append(retention, "--call-result-retention", "-1h"), want: []string{"--call-result-retention / TXBOX_CALL_RESULT_RETENTION must be a duration"}},
+		{args: append(retention, "--call-result-retention", "12h"), want: []string{"--call-result-retention / TXBOX_CALL_RESULT_RETENTION must be a duration from 1d"}},
 
 		// dlq.
 		{args: []string{"dlq", "list", "--source", "kafka"}, want: []string{`--source must be one of inbox, relay, got "kafka"`}},

@@ -209,25 +209,31 @@ func printLetter(w io.Writer, l dlq.Letter, now time.Time) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(w, "error:\n%s\n", indent(dash(sanitize(l.Error, true))))
-	fmt.Fprintln(w, "metadata:")
-	keys := make([]string, 0, len(l.Metadata))
-	for k := range l.Metadata {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys)
-	for _, k := range keys {
-		fmt.Fprintf(w, "  %s: %s\n", cell(k), cell(l.Metadata[k]))
-	}
-	if utf8.Valid(l.Payload) {
-		fmt.Fprintf(w, "payload (%d bytes):\n%s\n", len(l.Payload), indent(sanitize(string(l.Payload), true)))
-	} else {
-		fmt.Fprintf(w, "payload (%d bytes, base64):\n%s\n", len(l.Payload), indent(base64.StdEncoding.EncodeToString(l.Payload)))
-	}
+	printMessage(w, "error", l.Error, l.Metadata, l.Payload)
 	if l.Kind == "call" {
 		fmt.Fprintln(w, "\nThis is a side-effect call: it cannot be redriven. Reconcile it with the provider by hand, then discard it.")
 	}
 	return nil
+}
+
+// printMessage writes the stored error, metadata and payload of a letter or an outbox row for a
+// person, sanitised; a payload that is not UTF-8 is shown in base64.
+func printMessage(w io.Writer, errorLabel, errorText string, metadata map[string]string, payload []byte) {
+	fmt.Fprintf(w, "%s:\n%s\n", errorLabel, indent(dash(sanitize(errorText, true))))
+	fmt.Fprintln(w, "metadata:")
+	keys := make([]string, 0, len(metadata))
+	for k := range metadata {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	for _, k := range keys {
+		fmt.Fprintf(w, "  %s: %s\n", cell(k), cell(metadata[k]))
+	}
+	if utf8.Valid(payload) {
+		fmt.Fprintf(w, "payload (%d bytes):\n%s\n", len(payload), indent(sanitize(string(payload), true)))
+	} else {
+		fmt.Fprintf(w, "payload (%d bytes, base64):\n%s\n", len(payload), indent(base64.StdEncoding.EncodeToString(payload)))
+	}
 }
 
 func (a *app) dlqRedrive() *cobra.Command {
@@ -414,27 +420,38 @@ type letterJSON struct {
 	FirstFailedAt  time.Time         `json:"first_failed_at"`
 	LastFailedAt   time.Time         `json:"last_failed_at"`
 	Metadata       map[string]string `json:"metadata"`
-	PayloadBytes   int               `json:"payload_bytes"`
-	Payload        *string           `json:"payload,omitempty"`
-	PayloadBase64  *string           `json:"payload_base64,omitempty"`
+	payloadJSON
 }
 
 func toJSON(l dlq.Letter, withPayload bool) letterJSON {
-	j := letterJSON{
+	return letterJSON{
 		ID: l.ID, Source: string(l.Source), Kind: l.Kind, Topic: l.Topic, Consumer: l.Consumer, Handler: l.Handler, DedupKey: l.DedupKey,
 		PartitionKey: l.PartitionKey, UUID: l.UUID, IdempotencyKey: l.IdempotencyKey, Reason: l.Reason, Error: l.Error,
 		Attempts: l.Attempts, FirstFailedAt: l.FirstFailedAt, LastFailedAt: l.LastFailedAt, Metadata: l.Metadata,
-		PayloadBytes: len(l.Payload),
+		payloadJSON: newPayloadJSON(l.Payload, len(l.Payload), withPayload),
 	}
-	if withPayload {
-		if utf8.Valid(l.Payload) {
-			s := string(l.Payload)
-			j.Payload = &s
-		} else {
-			s := base64.StdEncoding.EncodeToString(l.Payload)
-			j.PayloadBase64 = &s
-		}
+}
+
+// payloadJSON is a payload in --json output: its size, and with the payload the payload itself in
+// "payload" when it is UTF-8 text, else in "payload_base64".
+type payloadJSON struct {
+	PayloadBytes  int     `json:"payload_bytes"`
+	Payload       *string `json:"payload,omitempty"`
+	PayloadBase64 *string `json:"payload_base64,omitempty"`
+}
+
+func newPayloadJSON(payload []byte, size int, withPayload bool) payloadJSON {
+	j := payloadJSON{PayloadBytes: size}
+	if !withPayload {
+		return j
 	}
+	s := string(payload)
+	if !utf8.Valid(payload) {
+		s = base64.StdEncoding.EncodeToString(payload)
+		j.PayloadBase64 = &s
+		return j
+	}
+	j.Payload = &s
 	return j
 }
 

@@ -2,6 +2,7 @@
 //
 //	txbox migrate up|down|status   apply, roll back or show the schema migrations
 //	txbox relay                    publish outbox rows to Kafka until SIGINT/SIGTERM
+//	txbox outbox list|show|bury     pending rows per shard; move a stuck row to the DLQ
 //	txbox dlq list|show|redrive|discard
 //	txbox retention                delete rows txbox no longer needs
 //	txbox status [--json]          backlog, leases, relays, dead letters, dedup rate, call failures
@@ -92,7 +93,7 @@ func (a *app) rootCommand() *cobra.Command {
 	a.setting(pf, text(&a.logLevel, oneOf("debug", "info", "warn", "error")), "log-level", "TXBOX_LOG_LEVEL", "least severe log level written: debug, info, warn or error")
 	a.setting(pf, text(&a.logFormat, oneOf("text", "json")), "log-format", "TXBOX_LOG_FORMAT", "log format on standard error: text or json")
 	root.AddCommand(
-		a.migrateCommand(), a.relayCommand(), a.dlqCommand(), a.retentionCommand(), a.statusCommand(),
+		a.migrateCommand(), a.relayCommand(), a.outboxCommand(), a.dlqCommand(), a.retentionCommand(), a.statusCommand(),
 		a.versionCommand(),
 	)
 	return root

@@ -19,8 +19,9 @@ import (
 // relaySettings are the settings of `txbox relay`.
 type relaySettings struct {
 	brokers, owner, txPrefix, metricsAddr, lagGroups, stripeURL string
-	shards, batchSize                                           int
-	leaseTTL, pollInterval, replayWindow, callTimeout           time.Duration
+	shards, batchSize, maxPublishAttempts                       int
+	leaseTTL, pollInterval, statsInterval, replayWindow         time.Duration
+	callTimeout, minPublishBackoff, maxPublishBackoff           time.Duration
 	transactional                                               bool
 }
 
@@ -38,6 +39,8 @@ func (a *app) relayCommand() *cobra.Command {
 		txPrefix: "txbox", metricsAddr: "127.0.0.1:9464", stripeURL: relay.DefaultStripeURL,
 		shards: relay.DefaultShards, batchSize: relay.DefaultBatchSize, transactional: true,
 		leaseTTL: relay.DefaultLeaseTTL, pollInterval: relay.DefaultPollInterval, replayWindow: relay.DefaultReplayWindow,
+		statsInterval: relay.DefaultStatsInterval, maxPublishAttempts: relay.DefaultMaxPublishAttempts,
+		minPublishBackoff: relay.DefaultMinPublishBackoff, maxPublishBackoff: relay.DefaultMaxPublishBackoff,
 	}
 	fs := cmd.Flags()
 	f := a.setting(fs, text(&s.brokers, list(hostPort(false))), "kafka-brokers", "TXBOX_KAFKA_BROKERS", "comma-separated Kafka brokers, host:port")
@@ -56,6 +59,14 @@ func (a *app) relayCommand() *cobra.Command {
 	annotate(f, annField, "Config.LeaseTTL")
 	f = a.setting(fs, durationIn(&s.pollInterval, time.Millisecond, time.Minute), "poll-interval", "TXBOX_POLL_INTERVAL", "idle wait between looks for new rows (publish latency at low load)")
 	annotate(f, annField, "Config.PollInterval")
+	f = a.setting(fs, durationIn(&s.statsInterval, time.Second, time.Hour), "stats-interval", "TXBOX_STATS_INTERVAL", "how often the backlog and dead-letter gauges are refreshed")
+	annotate(f, annField, "Config.StatsInterval")
+	f = a.setting(fs, intIn(&s.maxPublishAttempts, 1, 1000), "max-publish-attempts", "TXBOX_MAX_PUBLISH_ATTEMPTS", "attempts of a message the broker refuses for a reason that may pass (unknown topic, no write permission) before it goes to the DLQ")
+	annotate(f, annField, "Config.MaxPublishAttempts")
+	f = a.setting(fs, durationIn(&s.minPublishBackoff, time.Millisecond, 24*time.Hour), "min-publish-backoff", "TXBOX_MIN_PUBLISH_BACKOFF", "first wait before a refused message is tried again (exponential, with jitter)")
+	annotate(f, annField, "Config.MinPublishBackoff")
+	f = a.setting(fs, durationIn(&s.maxPublishBackoff, time.Millisecond, 24*time.Hour), "max-publish-backoff", "TXBOX_MAX_PUBLISH_BACKOFF", "longest wait before a refused message is tried again")
+	annotate(f, annField, "Config.MaxPublishBackoff")
 	a.setting(fs, boolValue(&s.transactional), "transactional", "TXBOX_TRANSACTIONAL", "publish each batch as a Kafka transaction, fencing relays that lost their lease; false = idempotent producer only").NoOptDefVal = "true"
 	f = a.setting(fs, text(&s.stripeURL, httpURL), "stripe-base-url", "TXBOX_STRIPE_BASE_URL", "Stripe API address for side-effect calls, which run when "+relay.APIKeyEnvVar+" is set")
 	annotate(f, annField, "Config.Calls: BaseURL")
@@ -86,7 +97,9 @@ func (a *app) relayCommand() *cobra.Command {
 		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 		cfg := relay.Config{
 			Sink: sink, Schema: d.schema, Owner: s.owner, Shards: s.shards, BatchSize: s.batchSize,
-			LeaseTTL: s.leaseTTL, PollInterval: s.pollInterval, Calls: calls, Logger: a.log, Registerer: reg,
+			LeaseTTL: s.leaseTTL, PollInterval: s.pollInterval, StatsInterval: s.statsInterval, Calls: calls,
+			MaxPublishAttempts: s.maxPublishAttempts, MinPublishBackoff: s.minPublishBackoff, MaxPublishBackoff: s.maxPublishBackoff,
+			Logger: a.log, Registerer: reg,
 		}
 		pool, err := d.connect(ctx, a.log)
 		if err != nil {

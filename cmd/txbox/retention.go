@@ -36,7 +36,7 @@ func (a *app) retentionCommand() *cobra.Command {
 	annotate(f, annField, "Config.BrokerRetention")
 	f = a.setting(fs, durationIn(&inbox, time.Hour, maxAge), "inbox-retention", "TXBOX_INBOX_RETENTION", "how long processed messages are remembered; must be longer than --broker-retention")
 	annotate(f, annField, "Config.InboxRetention")
-	f = a.setting(fs, durationIn(&callResults, time.Hour, maxAge), "call-result-retention", "TXBOX_CALL_RESULT_RETENTION", "how long side-effect call results are kept")
+	f = a.setting(fs, durationIn(&callResults, retention.MinCallResultRetention, maxAge), "call-result-retention", "TXBOX_CALL_RESULT_RETENTION", "how long side-effect call results are kept (at least 1d: Stripe's idempotency key lifetime)")
 	annotate(f, annField, "Config.CallResultRetention")
 	f = a.setting(fs, intIn(&batch, 1, 100000), "batch-size", "TXBOX_RETENTION_BATCH_SIZE", "most rows one DELETE removes")
 	annotate(f, annField, "Config.BatchSize")

@@ -56,11 +56,11 @@ func printStatus(out io.Writer, rep *status.Report) error {
 		}
 		return ago(t)
 	}
-	due := func(t time.Time) string {
-		if t.After(at) {
-			return "in " + formatAge(t.Sub(at))
+	due := func(t *time.Time) string {
+		if t == nil || !t.After(at) {
+			return "due"
 		}
-		return "due"
+		return "in " + formatAge(t.Sub(at))
 	}
 	secs := func(s float64) string { return formatAge(time.Duration(s * float64(time.Second))) }
 	window := secs(rep.WindowSeconds)
@@ -78,9 +78,16 @@ func printStatus(out io.Writer, rep *status.Report) error {
 	fmt.Fprintf(tw, "schema %s at %s (database clock)\n", cell(rep.Schema), at.UTC().Format(time.RFC3339))
 
 	section(fmt.Sprintf("OUTBOX: %d pending, oldest %s", rep.Outbox.Pending, secs(rep.Outbox.OldestPendingSeconds)),
-		"SHARD\tMESSAGES\tCALLS\tOLDEST", len(rep.Outbox.Shards))
+		"SHARD\tMESSAGES\tCALLS\tFAILING\tOLDEST\tPUBLISHED BY", len(rep.Outbox.Shards))
 	for _, s := range rep.Outbox.Shards {
-		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\n", s.Shard, s.Messages, s.Calls, secs(s.OldestPendingSeconds))
+		oldest, owner := "-", cell(s.Owner)
+		if s.Messages+s.Calls > 0 {
+			oldest = secs(s.OldestPendingSeconds)
+		}
+		if owner == "" {
+			owner = "nobody (no live lease)"
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%s\t%s\n", s.Shard, s.Messages, s.Calls, s.Failing, oldest, owner)
 	}
 
 	section("LEASES", "SHARD\tOWNER\tTOKEN\tEXPIRES", len(rep.Leases))
@@ -121,9 +128,9 @@ func printStatus(out io.Writer, rep *status.Report) error {
 			100*d.HitRate, secs(d.AgeSeconds)+" ago")
 	}
 
-	section("CALLS FAILING (retried)", "IDEMPOTENCY KEY\tNAME\tATTEMPTS\tFIRST ATTEMPT\tNEXT\tLAST ERROR", len(rep.Calls.Failing))
+	section("CALLS FAILING (retried)", "ID\tIDEMPOTENCY KEY\tSHARD\tATTEMPTS\tFIRST ATTEMPT\tNEXT\tLAST ERROR", len(rep.Calls.Failing))
 	for _, c := range rep.Calls.Failing {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", cell(c.IdempotencyKey), dash(cell(c.Name)), c.Attempts,
+		fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%s\t%s\t%s\n", c.ID, cell(c.IdempotencyKey), c.Shard, c.Attempts,
 			ago(c.FirstAttemptAt), due(c.NextAttemptAt), cell(c.LastError))
 	}
 	section("CALLS NOT SUCCEEDED (last "+window+")", "IDEMPOTENCY KEY\tOUTCOME\tHTTP\tOBJECT\tCOMPLETED", len(rep.Calls.Unsuccessful))

@@ -65,7 +65,13 @@ func Start(opts ...kfake.Opt) (*kfake.Cluster, error) {
 func Topic(t testing.TB) string {
 	b := make([]byte, 6)
 	_, _ = rand.Read(b)
-	name := strings.NewReplacer("/", "_", " ", "_", "#", "_").Replace(t.Name())
+	// Kafka topic names take only these characters; test names take any.
+	name := strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-' {
+			return r
+		}
+		return '_'
+	}, t.Name())
 	if len(name) > 100 {
 		name = name[:100]
 	}

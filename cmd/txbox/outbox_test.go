@@ -1,0 +1,75 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txbox/txbox/outbox"
+	"github.com/txbox/txbox/relay"
+)
+
+// pending writes one committed outbox message and returns its row id.
+func (b *cliBundle) pending(t *testing.T, topic, key string, payload []byte) int64 {
+	t.Helper()
+	ctx := context.Background()
+	w, err := outbox.New(outbox.Config{Schema: b.env.Schema})
+	require.NoError(t, err)
+	msg := outbox.SetPartitionKey(message.NewMessage(fmt.Sprintf("m-%s-%s", topic, key), payload), key)
+	require.NoError(t, w.Publish(ctx, b.env.Pool, topic, msg))
+	var id int64
+	require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT max(id) FROM `+b.env.Q("txbox_outbox")).Scan(&id))
+	return id
+}
+
+func TestOutboxListShowBury(t *testing.T) {
+	t.Parallel()
+	b := setupCLI(t)
+	stuck := b.pending(t, "retired.topic", "order-7", []byte("evil \x1b[2J payload"))
+	other := b.pending(t, "orders", "order-8", []byte(`{"order":8}`))
+	shardOf := relay.ShardOf("order-7", "", relay.DefaultShards)
+
+	out := b.ok(t, "outbox", "list")
+	require.Contains(t, out, "2 pending row(s) in 16 shard(s)")
+	require.Contains(t, out, "retired.topic")
+	require.Contains(t, out, "2 row(s)")
+
+	var listed struct {
+		Shards []shardJSON `json:"shards"`
+		Rows   []rowJSON   `json:"rows"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(b.ok(t, "outbox", "list", "--json", "--topic", "retired.topic")), &listed))
+	require.Len(t, listed.Shards, relay.DefaultShards)
+	require.Len(t, listed.Rows, 1)
+	require.Equal(t, stuck, listed.Rows[0].ID)
+	require.Equal(t, shardOf, listed.Rows[0].Shard)
+	require.Nil(t, listed.Rows[0].Payload, "list leaves payloads out")
+
+	require.NoError(t, json.Unmarshal([]byte(b.ok(t, "outbox", "list", "--json", "--shard", fmt.Sprint(shardOf), "--key", "order-7")), &listed))
+	require.Len(t, listed.Rows, 1)
+
+	out = b.ok(t, "outbox", "show", fmt.Sprint(stuck))
+	require.Contains(t, out, `evil \x1b[2J payload`, "stored text is escaped for the terminal")
+	require.NotContains(t, out, "\x1b")
+	var shown rowJSON
+	require.NoError(t, json.Unmarshal([]byte(b.ok(t, "outbox", "show", fmt.Sprint(stuck), "--json")), &shown))
+	require.Equal(t, "evil \x1b[2J payload", *shown.Payload, "--json is exact")
+
+	out = b.ok(t, "outbox", "bury", fmt.Sprint(stuck), "--reason", "topic retired, see OPS-12")
+	require.Contains(t, out, fmt.Sprintf("buried outbox row %d", stuck))
+	require.Equal(t, 1, b.count(t, "txbox_outbox"), "only the buried row left the outbox")
+	var letters []letterJSON
+	require.NoError(t, json.Unmarshal([]byte(b.ok(t, "dlq", "list", "--json", "--source", "relay")), &letters))
+	require.Len(t, letters, 1)
+	require.Equal(t, relay.ReasonBuried, letters[0].Reason)
+	require.Contains(t, letters[0].Error, "topic retired, see OPS-12")
+	require.Equal(t, "order-7", letters[0].PartitionKey)
+
+	require.Contains(t, b.fails(t, 1, "outbox", "bury", fmt.Sprint(stuck), "--reason", "again"), "no such pending outbox row")
+	require.Contains(t, b.fails(t, 1, "outbox", "show", fmt.Sprint(stuck)), "no such pending outbox row")
+	b.ok(t, "outbox", "show", fmt.Sprint(other))
+}

@@ -1,0 +1,99 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txbox/txbox/internal/failpoint"
+	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/internal/proctest"
+	"github.com/txbox/txbox/relay"
+)
+
+// flakyDB is the test database, through which one transaction can be made to fail to start, as
+// it does when a connection breaks or the pool times out.
+type flakyDB struct {
+	*pgxpool.Pool
+	failNext atomic.Bool
+	failed   atomic.Int64
+}
+
+func (d *flakyDB) Begin(ctx context.Context) (pgx.Tx, error) {
+	if d.failNext.CompareAndSwap(true, false) {
+		d.failed.Add(1)
+		return nil, errors.New("injected fault: connection reset by peer")
+	}
+	return d.Pool.Begin(ctx)
+}
+
+// When Kafka says the shard's producer was fenced, the relay asks the database whether its lease
+// is still its own. A lease taken over means drop the shard; a database that cannot answer right
+// now (the check's transaction fails to start) says nothing about the lease, and the relay must
+// keep the shard, open a new producer and go on publishing under the same token.
+func TestLeaseRecheckThatFailsKeepsTheShard(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	c := b.collect(t)
+	db := &flakyDB{Pool: b.env.Pool}
+	var armed atomic.Bool
+	// After a batch is read and before it is published (and found fenced), the next transaction the
+	// relay starts is the lease check: make it fail.
+	ctx := failpoint.WithHook(context.Background(), "relay.after-read", func() {
+		if armed.CompareAndSwap(true, false) {
+			db.failNext.Store(true)
+		}
+	})
+	var logs proctest.Buffer
+	r, err := relay.New(relay.Config{
+		DB: db, Sink: b.kafkaSink(t, kafkatest.Brokers(t), true), Schema: b.env.Schema, Owner: "A",
+		Shards: 1, LeaseTTL: 30 * time.Second, PollInterval: 10 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+	})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+		if t.Failed() {
+			t.Logf("relay log:\n%s", logs.String())
+		}
+	})
+
+	first := b.write(t, true, "k", 1)
+	require.Eventually(t, func() bool { return c.has(first...) && b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
+	token := r.Shards()[0]
+
+	// Another producer opens the shard's transactional.id, as a relay whose lease had ended would:
+	// the broker fences the relay's producer while the database lease is still the relay's.
+	cfg := sarama.NewConfig()
+	cfg.Version = sarama.V2_8_0_0
+	cfg.Producer.Idempotent = true
+	cfg.Producer.RequiredAcks = sarama.WaitForAll
+	cfg.Producer.Return.Successes = true
+	cfg.Net.MaxOpenRequests = 1
+	cfg.Producer.Transaction.ID = b.env.Schema + "-shard-0"
+	late, err := sarama.NewSyncProducer(kafkatest.Brokers(t), cfg)
+	require.NoError(t, err)
+	require.NoError(t, late.Close())
+
+	armed.Store(true)
+	second := b.write(t, true, "k", 1)
+	require.Eventually(t, func() bool { return c.has(second...) && b.pending(t) == 0 }, 20*time.Second, 10*time.Millisecond,
+		"the relay published the next row with a new producer")
+	require.EqualValues(t, 1, db.failed.Load(), "the lease check failed once")
+	require.Equal(t, map[int]int64{0: token}, r.Shards(), "the relay kept the shard under its token")
+	require.NotContains(t, logs.String(), "lease lost")
+	require.True(t, strings.Contains(logs.String(), "could not check the lease"), logs.String())
+}

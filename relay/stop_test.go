@@ -1,0 +1,85 @@
+package relay_test
+
+import (
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/txbox/txbox/internal/proctest"
+)
+
+// TestGracefulStopWhileKafkaHangs makes Kafka stop answering what producers send (requests are
+// read and left waiting, as a broker stuck waiting for its replicas does) while the relay
+// publishes, then stops
+// the relay. sarama's calls cannot be cancelled and wait for their read timeouts (30 s by default),
+// but Run must return within one lease TTL, plus a margin for the database work of giving the
+// leases up. Once Kafka answers again, a new relay publishes every row: nothing was lost.
+func TestGracefulStopWhileKafkaHangs(t *testing.T) {
+	t.Parallel()
+	for _, transactional := range []bool{true, false} {
+		t.Run(map[bool]string{true: "transactional", false: "idempotent"}[transactional], func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			cluster := strictCluster(t, kfake.SeedTopics(3, b.topic))
+			// While hung, requests wait in the broker (and sarama waits for its read timeouts, 30 s);
+			// once released they are answered, so that the relay's abandoned calls end cleanly.
+			var hung atomic.Bool
+			var unanswered atomic.Int64
+			release := make(chan struct{})
+			t.Cleanup(func() { hung.Store(false); closeOnce(release) })
+			cluster.Control(func(req kmsg.Request) (kmsg.Response, error, bool) {
+				cluster.KeepControl()
+				switch kmsg.Key(req.Key()) {
+				case kmsg.Produce, kmsg.InitProducerID, kmsg.AddPartitionsToTxn, kmsg.EndTxn:
+				default:
+					return nil, nil, false // readers and metadata keep working
+				}
+				if hung.Load() {
+					unanswered.Add(1)
+					cluster.SleepControl(func() { <-release })
+				}
+				return nil, nil, false
+			})
+			log := readTopics(t, cluster.ListenAddrs(), b.topic)
+
+			first := b.write(t, true, "k", 5)
+			var logs proctest.Buffer
+			ttl := 2 * time.Second
+			_, stop := b.runRelayOn(t, b.kafkaSink(t, cluster.ListenAddrs(), transactional), &logs, nil)
+			require.Eventually(t, func() bool { return log.has(first...) && b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
+
+			hung.Store(true)
+			second := b.write(t, true, "k", 5)
+			require.Eventually(t, func() bool { return unanswered.Load() > 0 }, 30*time.Second, 5*time.Millisecond,
+				"the relay is waiting for Kafka")
+			took := stop()
+			t.Logf("Run returned %v after the stop", took.Round(time.Millisecond))
+			require.Less(t, took, ttl*3/2, "a graceful stop ends within one lease TTL, whatever Kafka does")
+			require.Equal(t, len(second), b.pending(t), "nothing was completed without Kafka")
+
+			hung.Store(false)
+			closeOnce(release)
+			b.runRelayOn(t, b.kafkaSink(t, cluster.ListenAddrs(), transactional), &logs, nil)
+			require.Eventually(t, func() bool { return log.has(second...) && b.pending(t) == 0 }, 60*time.Second, 10*time.Millisecond,
+				"the rows left behind were published after the stop")
+		})
+	}
+}
+
+var closeMu sync.Mutex
+
+// closeOnce closes ch unless it is closed already.
+func closeOnce(ch chan struct{}) {
+	closeMu.Lock()
+	defer closeMu.Unlock()
+	select {
+	case <-ch:
+	default:
+		close(ch)
+	}
+}
