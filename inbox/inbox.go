@@ -20,6 +20,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/internal/failpoint"
@@ -95,8 +97,20 @@ type Config struct {
 	// handler makes between statements. If not specified, defaults to
 	// DefaultIdleInTransactionTimeout; a negative value disables it.
 	IdleInTransactionTimeout time.Duration
+	// StatsInterval is how often, at most, the dedup checks and hits counted in memory are added
+	// to txbox_dedup_stats (per consumer, handler and minute), where `txbox status` reads the hit
+	// rate. They are written in the background by a statement of their own when a message finds
+	// the interval passed, so a message never waits for them; call Flush when the router stops to
+	// write the rest. If not specified, defaults to DefaultStatsInterval; a negative value
+	// disables the writes.
+	StatsInterval time.Duration
 	// Registerer receives the inbox's Prometheus metrics. If not specified, they are not registered.
 	Registerer prometheus.Registerer
+	// TracerProvider makes a consumer span per delivery, continuing the trace in the message's
+	// metadata (through the global OpenTelemetry propagator; the relay puts its publish span
+	// there). The handler's context carries the span, so the outbox stores it with what the
+	// handler writes. If not specified, the global TracerProvider.
+	TracerProvider trace.TracerProvider
 }
 
 // Defaults of Config.
@@ -117,6 +131,8 @@ type Inbox struct {
 	dead    *dlq.Writer
 	logger  watermill.LoggerAdapter
 	metrics *metrics.Inbox
+	stats   statsBuffer
+	tracer  trace.Tracer
 
 	tokensMu sync.Mutex
 	tokens   map[stream]int64 // highest fencing token seen per ordered stream
@@ -166,6 +182,12 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 		}
 		timeouts[i] = strconv.FormatInt(max(d.v.Milliseconds(), 0), 10) // 0 is PostgreSQL's "no limit"
 	}
+	switch {
+	case cfg.StatsInterval == 0:
+		cfg.StatsInterval = DefaultStatsInterval
+	case cfg.StatsInterval < 0:
+		cfg.StatsInterval = 0
+	}
 	if cfg.DedupKey == nil {
 		cfg.DedupKey = func(m *message.Message) (string, error) { return m.UUID, nil }
 	}
@@ -181,13 +203,19 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
+	if cfg.TracerProvider == nil {
+		cfg.TracerProvider = otel.GetTracerProvider()
+	}
+	sql := renderQueries(schema)
 	return &Inbox{
 		cfg:     cfg,
-		sql:     renderQueries(schema),
+		sql:     sql,
 		bounds:  timeouts,
 		dead:    dead,
 		logger:  logger.With(watermill.LogFields{"consumer": cfg.Consumer}),
-		metrics: metrics.NewInbox(cfg.Registerer),
+		metrics: metrics.NewInbox(cfg.Registerer, cfg.Schema),
+		stats:   statsBuffer{interval: cfg.StatsInterval, pending: map[string]dedupCounts{}, flushSQL: sql.flushStats},
+		tracer:  cfg.TracerProvider.Tracer(tracerName),
 		tokens:  map[stream]int64{},
 	}, nil
 }
@@ -222,12 +250,21 @@ func (ib *Inbox) args(s scope, more ...any) []any {
 
 // handle returns nil when the message must be acknowledged: processed now, processed before, or
 // moved to the dead-letter table.
-func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
-	ctx := msg.Context()
+func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error) {
 	consumer := ib.cfg.Consumer
-	ib.metrics.DedupChecks.WithLabelValues(consumer).Inc()
+	sc := scope{consumer: consumer, handler: message.HandlerNameFromCtx(msg.Context())}
+	ib.metrics.DedupChecks.WithLabelValues(consumer, sc.handler).Inc()
+	ib.stats.add(sc.handler, 1, 0)
+	defer ib.maybeFlush()
 
-	sc := scope{consumer: consumer, handler: message.HandlerNameFromCtx(ctx)}
+	orig := msg.Context()
+	ctx, span := ib.startSpan(msg, sc)
+	msg.SetContext(ctx)
+	defer func() {
+		msg.SetContext(orig)
+		endSpan(span, err)
+	}()
+
 	key, err := ib.cfg.DedupKey(msg)
 	switch {
 	case err != nil:
@@ -242,6 +279,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 		return ib.kill(ctx, msg, sc, ReasonNoID, err, 0)
 	}
 	sc.key = key
+	span.SetAttributes(attrDedupKey.String(key))
 	if len(msg.Payload) > ib.cfg.MaxPayloadBytes {
 		return ib.kill(ctx, msg, sc, ReasonTooLarge,
 			fmt.Errorf("payload of %d bytes is over the %d-byte limit", len(msg.Payload), ib.cfg.MaxPayloadBytes), 0)
@@ -258,7 +296,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 		var lastErr *string
 		err := ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, ib.args(sc)...).Scan(&attempts, &lastErr)
 		if errors.Is(err, pgx.ErrNoRows) {
-			ib.metrics.DedupHits.WithLabelValues(consumer).Inc()
+			ib.hit(ctx, sc)
 			return nil // Processed (or dead) before: the inbox row exists.
 		}
 		if err != nil {
@@ -280,11 +318,12 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 	processed, transient, herr := ib.process(ctx, msg, h, sc, shard, token)
 	switch {
 	case herr == nil && !processed:
-		ib.metrics.DedupHits.WithLabelValues(consumer).Inc()
+		ib.hit(ctx, sc)
 		ib.forgetAttempts(ctx, sc)
 		return nil
 	case herr == nil:
-		ib.metrics.Attempts.WithLabelValues(consumer).Observe(float64(max(attempts, 1)))
+		ib.metrics.Attempts.WithLabelValues(consumer, sc.handler).Observe(float64(max(attempts, 1)))
+		span.AddEvent(eventProcessed, trace.WithAttributes(attrAttempt.Int(max(attempts, 1))))
 		return nil
 	case errors.Is(herr, ErrUnprocessable):
 		return ib.kill(ctx, msg, sc, ReasonUnprocessable, herr, attempts)
@@ -293,6 +332,13 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) error {
 		ib.endAttempt(ctx, sc, transient, herr)
 	}
 	return herr
+}
+
+// hit counts a delivery recognised as a duplicate, and marks its span.
+func (ib *Inbox) hit(ctx context.Context, sc scope) {
+	ib.metrics.DedupHits.WithLabelValues(sc.consumer, sc.handler).Inc()
+	ib.stats.add(sc.handler, 0, 1)
+	trace.SpanFromContext(ctx).AddEvent(eventDuplicate)
 }
 
 // settleTimeout bounds the bookkeeping after a delivery failed, which runs even when the delivery's
@@ -431,7 +477,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 		return fmt.Errorf("inbox: mark %s dead: %w", sc.key, err)
 	}
 	if tag.RowsAffected() == 0 {
-		ib.metrics.DedupHits.WithLabelValues(ib.cfg.Consumer).Inc()
+		ib.hit(ctx, sc)
 		return nil // Another delivery settled it first.
 	}
 	err = ib.dead.Add(ctx, tx, dlq.Entry{
@@ -458,6 +504,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 		return fmt.Errorf("inbox: commit dead letter %s: %w", sc.key, err)
 	}
 	ib.metrics.DeadLetters.WithLabelValues(string(dlq.SourceInbox), reason).Inc()
+	trace.SpanFromContext(ctx).AddEvent(eventDeadLettered, trace.WithAttributes(attrDLQReason.String(reason)))
 	fields := sc.logFields()
 	fields["message_uuid"], fields["reason"], fields["error"] = uuid, reason, cause.Error()
 	ib.logger.Info("Message moved to the dead-letter table", fields)

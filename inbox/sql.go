@@ -3,7 +3,7 @@ package inbox
 import "github.com/txbox/txbox/internal/sqlname"
 
 type queries struct {
-	countAttempt, endAttempt, deleteAttempts, insertInbox, insertDead string
+	countAttempt, endAttempt, deleteAttempts, insertInbox, insertDead, flushStats string
 }
 
 func renderQueries(schema string) queries {
@@ -13,6 +13,7 @@ func renderQueries(schema string) queries {
 		deleteAttempts: sqlname.Render(deleteAttemptsSQL, schema),
 		insertInbox:    sqlname.Render(insertInboxSQL, schema),
 		insertDead:     sqlname.Render(insertDeadSQL, schema),
+		flushStats:     sqlname.Render(flushStatsSQL, schema),
 	}
 }
 
@@ -72,3 +73,22 @@ SELECT $1, $2, $3, $6::text, $7::text, 'dead'
 FROM ` + bounds + `
 WHERE ` + noConsumerWideRow + `
 ON CONFLICT (consumer, dedup_key, handler) DO NOTHING`
+
+// flushStatsSQL adds consumer $1's dedup counts (handlers $2, checks $3, hits $4) to the current
+// minute's buckets, by the database clock, and deletes buckets older than a week: the index on
+// minute makes that an empty range scan almost every time.
+const flushStatsSQL = `
+WITH pruned AS (DELETE FROM {schema}.txbox_dedup_stats WHERE minute < now() - interval '7 days')
+INSERT INTO {schema}.txbox_dedup_stats AS s (minute, consumer, handler, checks, hits)
+SELECT date_trunc('minute', now()), $1, h.handler, h.checks, h.hits
+FROM unnest($2::text[], $3::bigint[], $4::bigint[]) AS h(handler, checks, hits)
+ON CONFLICT (minute, consumer, handler) DO UPDATE
+SET checks = s.checks + excluded.checks, hits = s.hits + excluded.hits, updated_at = now()`
+
+// dedupStatsSQL sums the buckets of the minutes that overlap the last $1 milliseconds.
+const dedupStatsSQL = `
+SELECT consumer, handler, sum(checks)::bigint, sum(hits)::bigint, min(minute), max(updated_at)
+FROM {schema}.txbox_dedup_stats
+WHERE minute >= date_trunc('minute', now() - $1 * interval '1 millisecond')
+GROUP BY consumer, handler
+ORDER BY consumer, handler`

@@ -143,7 +143,7 @@ func (l *lease) runCalls() bool {
 		r.log.Error("cannot execute calls", "shard", l.shard, "error", err)
 		return false
 	}
-	c := &caller{l: l, cfg: cfg, client: newStripeClient(&cfg), replies: replies, m: metrics.NewCalls(r.cfg.Registerer)}
+	c := &caller{l: l, cfg: cfg, client: newStripeClient(&cfg), replies: replies, m: metrics.NewCalls(r.cfg.Registerer, r.cfg.Schema)}
 	for {
 		select {
 		case <-l.stop:
@@ -292,11 +292,13 @@ func (c *caller) execute(row callRow) error {
 	defer cancel()
 
 	failpoint.HitContext(l.ctx, "call.before-send")
+	spanCtx, span := c.startCallSpan(sendCtx, row, req, attempts)
 	c.m.InFlight.Inc()
 	sent := time.Now()
-	v := c.client.send(sendCtx, l.ctx, row.key, req)
+	v := c.client.send(spanCtx, l.ctx, row.key, req)
 	took := time.Since(sent)
 	c.m.InFlight.Dec()
+	endCallSpan(span, v)
 	c.m.Duration.WithLabelValues(v.label()).Observe(took.Seconds())
 	failpoint.HitContext(l.ctx, "call.after-send")
 

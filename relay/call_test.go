@@ -333,7 +333,7 @@ func TestCallKeyReusedWithOtherParamsGoesToDLQ(t *testing.T) {
 	var req outbox.CallRequest
 	require.NoError(t, json.Unmarshal(d.payload, &req), "the letter keeps the request for a person")
 	require.Equal(t, "1000", req.Params.Get("amount"))
-	require.Equal(t, 1.0, counterValue(t, metrics.NewCalls(r.reg).IdempotencyErrors))
+	require.Equal(t, 1.0, counterValue(t, metrics.NewCalls(r.reg, b.env.Schema).IdempotencyErrors))
 
 	// A later call on the same shard completing proves the worker moved past the dead one.
 	b.enqueue(t, chargeCall("pay-after-mismatch", 100))
@@ -464,7 +464,7 @@ func TestLongCallKeepsItsLease(t *testing.T) {
 	require.Equal(t, 1, b.stripe.Requests(), "no second relay sent the call")
 	require.Equal(t, 1, b.stripe.TotalCharges())
 	require.GreaterOrEqual(t, res.durationMs, int64(2500))
-	observed := counterValue(t, metrics.NewCalls(r1.reg).Duration) + counterValue(t, metrics.NewCalls(r2.reg).Duration)
+	observed := counterValue(t, metrics.NewCalls(r1.reg, b.env.Schema).Duration) + counterValue(t, metrics.NewCalls(r2.reg, b.env.Schema).Duration)
 	require.Equal(t, 1.0, observed, "one duration sample for one request")
 }
 

@@ -190,6 +190,7 @@ func (k *kafkaShard) send(ctx context.Context, msgs []Message, records []*sarama
 				return err
 			}
 		}
+		placed(msgs, records)
 		return nil
 	}
 	if err := k.producer.BeginTxn(); err != nil {
@@ -207,7 +208,17 @@ func (k *kafkaShard) send(ctx context.Context, msgs []Message, records []*sarama
 	if err := k.producer.CommitTxn(); err != nil {
 		return k.abort(k.classify(err))
 	}
+	placed(msgs, records)
 	return nil
+}
+
+// placed copies where the broker stored each record into the message it came from.
+func placed(msgs []Message, records []*sarama.ProducerMessage) {
+	for _, rec := range records {
+		if i, ok := rec.Metadata.(int); ok {
+			msgs[i].Partition, msgs[i].Offset = rec.Partition, rec.Offset
+		}
+	}
 }
 
 // precheck refuses, before any is sent, the records that the client or the cluster's metadata

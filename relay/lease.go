@@ -194,7 +194,10 @@ func (l *lease) cycle(pub ShardPublisher) (int, error) {
 		msgs[i] = l.toMessage(p)
 		ids[i] = p.id
 	}
-	if err := pub.Publish(l.ctx, msgs); err != nil {
+	spans := l.startPublishSpans(msgs)
+	err = pub.Publish(l.ctx, msgs)
+	endPublishSpans(spans, msgs, err)
+	if err != nil {
 		var refused *RejectedError
 		switch {
 		case !errors.As(err, &refused):
@@ -255,7 +258,7 @@ func (l *lease) toMessage(p pendingRow) Message {
 	}
 	msg.Metadata.Set(outbox.ShardMetadata, strconv.Itoa(l.shard))
 	msg.Metadata.Set(outbox.TokenMetadata, strconv.FormatInt(l.token, 10))
-	return Message{Topic: p.topic, Key: p.partitionKey, Msg: msg}
+	return Message{Topic: p.topic, Key: p.partitionKey, Msg: msg, Partition: -1, Offset: -1}
 }
 
 // refuse deals with a message the broker refused when published alone: one refused for good goes to

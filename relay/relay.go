@@ -15,6 +15,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/internal/failpoint"
@@ -82,6 +84,11 @@ type Config struct {
 	Logger *slog.Logger
 	// Registerer receives the relay's Prometheus metrics. If not specified, they are not registered.
 	Registerer prometheus.Registerer
+	// TracerProvider makes the relay's spans: a producer span per message published and a client
+	// span per call sent, each continuing the trace stored with the row (through the global
+	// OpenTelemetry propagator, as the outbox stored it). If not specified, the global
+	// TracerProvider.
+	TracerProvider trace.TracerProvider
 }
 
 // Defaults for Config.
@@ -103,6 +110,8 @@ type Relay struct {
 	dead    *dlq.Writer
 	log     *slog.Logger
 	metrics *metrics.Relay
+	tracer  trace.Tracer
+	kafka   bool // the sink is Kafka, for the spans' messaging.system
 
 	mu        sync.Mutex
 	held      map[int]*lease
@@ -162,12 +171,18 @@ func New(cfg Config) (*Relay, error) {
 	if err != nil {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
+	if cfg.TracerProvider == nil {
+		cfg.TracerProvider = otel.GetTracerProvider()
+	}
+	_, kafka := cfg.Sink.(*KafkaSink)
 	return &Relay{
 		cfg:     cfg,
 		sql:     renderQueries(schema),
 		dead:    dead,
 		log:     cfg.Logger.With("relay", cfg.Owner),
-		metrics: metrics.NewRelay(cfg.Registerer),
+		metrics: metrics.NewRelay(cfg.Registerer, cfg.Schema),
+		tracer:  cfg.TracerProvider.Tracer(tracerName),
+		kafka:   kafka,
 		held:    map[int]*lease{},
 	}, nil
 }
@@ -195,6 +210,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		return err
 	}
 	r.log.Info("relay started", "shards", r.cfg.Shards, "lease_ttl", r.cfg.LeaseTTL)
+	r.metrics.LeaseTTL.Set(r.cfg.LeaseTTL.Seconds())
 
 	statsDone := make(chan struct{})
 	go func() {
@@ -373,7 +389,6 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 			r.release(l)
 		}
 	}
-	r.metrics.ShardsHeld.Set(float64(len(r.Shards())))
 	return next
 }
 
@@ -431,6 +446,7 @@ func (r *Relay) start(ctx context.Context, l *lease, lost chan<- *lease) {
 	r.mu.Lock()
 	r.held[l.shard] = l
 	r.mu.Unlock()
+	r.metrics.ShardsHeld.Inc()
 	r.log.Info("lease acquired", "shard", l.shard, "token", l.token)
 	go func() {
 		defer close(l.done)
@@ -470,6 +486,7 @@ func (r *Relay) forget(l *lease) bool {
 	}
 	delete(r.held, l.shard)
 	close(l.forgotten)
+	r.metrics.ShardsHeld.Dec()
 	return true
 }
 
@@ -533,7 +550,6 @@ func (r *Relay) shutdown() {
 	if err != nil {
 		r.log.Warn("could not deregister relay", "error", err)
 	}
-	r.metrics.ShardsHeld.Set(0)
 }
 
 // reportStats refreshes the backlog and dead-letter gauges.
@@ -552,6 +568,7 @@ func (r *Relay) reportStats(ctx context.Context) {
 				r.metrics.DLQDepth.WithLabelValues(string(source)).Set(float64(d.Count))
 				r.metrics.DLQAge.WithLabelValues(string(source)).Set(d.OldestAgeSeconds)
 			}
+			r.metrics.StatsTime.SetToCurrentTime()
 		}
 		select {
 		case <-ctx.Done():

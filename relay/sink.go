@@ -16,6 +16,11 @@ type Message struct {
 	// Key is the partition key; empty when the message has none.
 	Key string
 	Msg *message.Message
+	// Partition and Offset are where the broker stored the message, for the relay's trace spans:
+	// a sink that knows them sets them when Publish succeeds (KafkaSink does); otherwise they stay
+	// -1.
+	Partition int32
+	Offset    int64
 }
 
 // Sink is where the relay publishes. The relay opens one ShardPublisher per shard lease it holds and

@@ -179,3 +179,15 @@ func renderAdminQueries(schema string) adminQueries {
 			ORDER BY completed_at DESC, idempotency_key LIMIT $3`),
 	}
 }
+
+// Reports for operators (status.go) beside Admin's: read-only, by the database clock.
+const (
+	leasesSQL = `SELECT shard, shards, coalesce(owner, ''), token, CASE WHEN isfinite(expires_at) THEN expires_at END, expires_at <= now()
+		FROM {schema}.txbox_lease ORDER BY shard`
+	nodesSQL = `SELECT owner, expires_at, expires_at > now() AS live
+		FROM {schema}.txbox_relay_node ORDER BY live DESC, owner`
+	unsuccessfulCallsSQL = `SELECT idempotency_key, outcome, http_status, object_id, attempts, completed_at
+		FROM {schema}.txbox_call_result
+		WHERE outcome <> 'succeeded' AND completed_at > now() - $1 * interval '1 millisecond'
+		ORDER BY completed_at DESC LIMIT $2`
+)

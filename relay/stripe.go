@@ -54,6 +54,7 @@ type verdict struct {
 	retryAfter time.Duration // the provider's Retry-After, when it sent one
 	reason     string        // the dead-letter reason when dead
 	detail     string        // what happened, for last_error, logs and the dead letter
+	httpStatus int           // the response's status, 0 when none came
 }
 
 func (v verdict) label() string {
@@ -143,7 +144,9 @@ func (s *stripeClient) send(ctx, leaseCtx context.Context, key string, req outbo
 	err := s.api.CallRaw(req.Method, req.Path, s.key, []byte(req.Params.Encode()), params, &obj)
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return classify(err, &obj, w, ctx, leaseCtx)
+	v := classify(err, &obj, w, ctx, leaseCtx)
+	v.httpStatus = w.status
+	return v
 }
 
 // classify turns the result of one send into what to do about it. The rule: only an answer the

@@ -263,17 +263,3 @@ func TestRetentionCommand(t *testing.T) {
 	require.Contains(t, out, "DEAD ROWS")
 	require.Equal(t, 10, b.count(t, "txbox_inbox"))
 }
-
-func TestStatusCommand(t *testing.T) {
-	t.Parallel()
-	b := setupCLI(t)
-	b.add(t, dlq.Entry{Source: dlq.SourceInbox, Consumer: "billing", DedupKey: "m-1", UUID: "m-1"})
-	b.add(t, dlq.Entry{Source: dlq.SourceInbox, Consumer: "billing", DedupKey: "m-2", UUID: "m-2"})
-
-	out := b.ok(t, "status")
-	require.Contains(t, out, "inbox  2, oldest")
-	require.Contains(t, out, "relay  0\n")
-	for _, table := range []string{"txbox_outbox", "txbox_inbox", "txbox_inbox_attempt", "txbox_dlq", "txbox_call_result"} {
-		require.Contains(t, out, table)
-	}
-}

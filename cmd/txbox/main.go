@@ -5,7 +5,7 @@
 //	txbox outbox list|show|bury     pending rows per shard; move a stuck row to the DLQ
 //	txbox dlq list|show|redrive|discard
 //	txbox retention                delete rows txbox no longer needs
-//	txbox status                   dead-letter depth and table sizes
+//	txbox status [--json]          backlog, leases, relays, dead letters, dedup rate, call failures
 //	txbox console                  the operator console, a web UI on loopback
 //	txbox version | completion bash|zsh|fish
 //

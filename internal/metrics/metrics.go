@@ -6,6 +6,8 @@ import (
 	"errors"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/txbox/txbox/internal/sqlname"
 )
 
 // register registers c with reg, or returns the collector already registered under the same
@@ -26,12 +28,22 @@ func register[C prometheus.Collector](reg prometheus.Registerer, c C) C {
 	return c
 }
 
-// deadLetters is shared by every component that gives up on messages.
-func deadLetters(reg prometheus.Registerer) *prometheus.CounterVec {
+// ofSchema is the label set of a component's series: the schema of its tables, as configured ("" is
+// the default schema).
+func ofSchema(schema string) prometheus.Labels {
+	if schema == "" {
+		schema = sqlname.DefaultSchema
+	}
+	return prometheus.Labels{"schema": schema}
+}
+
+// deadLetters is shared by every component that gives up on messages, curried with the schema
+// of the component's tables.
+func deadLetters(reg prometheus.Registerer, schema string) *prometheus.CounterVec {
 	return register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "txbox_dead_letters_total",
-		Help: "Messages moved to the dead-letter table, by source and reason.",
-	}, []string{"source", "reason"}))
+		Help: "Messages moved to the dead-letter table, by schema, source and reason.",
+	}, []string{"schema", "source", "reason"})).MustCurryWith(ofSchema(schema))
 }
 
 // Inbox holds the consumer-side collectors.
@@ -44,22 +56,23 @@ type Inbox struct {
 }
 
 // NewInbox creates (or finds) the inbox collectors in reg; a nil reg keeps them unregistered.
-func NewInbox(reg prometheus.Registerer) *Inbox {
+// schema is the schema of the inbox's tables, a label of its dead letters.
+func NewInbox(reg prometheus.Registerer, schema string) *Inbox {
 	return &Inbox{
 		DedupChecks: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "txbox_dedup_checks_total",
 			Help: "Messages checked against the inbox. dedup_hits_total / dedup_checks_total is the dedup hit rate, about 0 in steady state.",
-		}, []string{"consumer"})),
+		}, []string{"consumer", "handler"})),
 		DedupHits: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "txbox_dedup_hits_total",
 			Help: "Messages recognised as already processed (or dead) and skipped without calling the handler.",
-		}, []string{"consumer"})),
+		}, []string{"consumer", "handler"})),
 		Attempts: register(reg, prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "txbox_retry_count",
 			Help:    "Delivery attempts a message needed before it was processed or given up on.",
 			Buckets: []float64{1, 2, 3, 5, 8, 13, 21},
-		}, []string{"consumer"})),
-		DeadLetters: deadLetters(reg),
+		}, []string{"consumer", "handler"})),
+		DeadLetters: deadLetters(reg, schema),
 		SupersededTokens: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "txbox_superseded_token_messages_total",
 			Help: "Messages that arrived with a lower fencing token than one already seen on the same shard, topic and partition: copies from a relay that lost its lease.",
@@ -67,63 +80,74 @@ func NewInbox(reg prometheus.Registerer) *Inbox {
 	}
 }
 
-// Relay holds the relay's collectors.
+// Relay holds the relay's collectors, each one curried with the schema of the outbox the relay
+// serves.
+//
+// Why a schema label: two relays in one process serve two outboxes, which only differ by schema,
+// and their series must stay apart. Relays in different processes are already told apart by the
+// scrape's instance label, and the relay's owner name would start a new series on every restart.
+// Two relays of one schema in one process add up: counters sum, ShardsHeld is counted up and down
+// rather than set, and the outbox and dead-letter gauges measure the same tables.
 type Relay struct {
 	Published     prometheus.Counter
+	PublishErrors prometheus.Counter
 	Fenced        prometheus.Counter
-	ShardsHeld    prometheus.Gauge
+	// ShardsHeld is incremented when a lease is taken and decremented when it is given up or lost.
+	ShardsHeld prometheus.Gauge
+	// LeaseTTL is the relay's Config.LeaseTTL in seconds, for comparing call durations with it.
+	LeaseTTL      prometheus.Gauge
 	Backlog       prometheus.Gauge
 	OldestPending prometheus.Gauge
-	DLQDepth      *prometheus.GaugeVec
-	DLQAge        *prometheus.GaugeVec
-	DeadLetters   *prometheus.CounterVec
-	PublishErrors prometheus.Counter
+	// StatsTime is when the backlog and dead-letter gauges were last refreshed, as a Unix time.
+	StatsTime   prometheus.Gauge
+	DLQDepth    *prometheus.GaugeVec
+	DLQAge      *prometheus.GaugeVec
+	DeadLetters *prometheus.CounterVec
 }
 
-// NewRelay creates (or finds) the relay collectors in reg; a nil reg keeps them unregistered.
-func NewRelay(reg prometheus.Registerer) *Relay {
+// NewRelay creates (or finds) the relay collectors in reg for the relay of schema; a nil reg keeps
+// them unregistered.
+func NewRelay(reg prometheus.Registerer, schema string) *Relay {
+	of := ofSchema(schema)
+	counter := func(name, help string) prometheus.Counter {
+		return register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help}, []string{"schema"})).With(of)
+	}
+	gauge := func(name, help string) prometheus.Gauge {
+		return register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: name, Help: help}, []string{"schema"})).With(of)
+	}
+	bySource := func(name, help string) *prometheus.GaugeVec {
+		return register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: name, Help: help}, []string{"schema", "source"})).MustCurryWith(of)
+	}
 	return &Relay{
-		Published: register(reg, prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "txbox_relay_published_total",
-			Help: "Outbox messages published and completed.",
-		})),
-		Fenced: register(reg, prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "txbox_fenced_rejections_total",
-			Help: "Times this relay found its lease superseded (by the database or the broker) and dropped a shard: zombie work refused.",
-		})),
-		ShardsHeld: register(reg, prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "txbox_relay_shards_held",
-			Help: "Shard leases this relay holds.",
-		})),
-		Backlog: register(reg, prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "txbox_outbox_backlog",
-			Help: "Outbox rows not yet published or executed.",
-		})),
-		OldestPending: register(reg, prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "txbox_outbox_oldest_pending_seconds",
-			Help: "Age of the oldest outbox row not yet published or executed.",
-		})),
-		DLQDepth: register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "txbox_dlq_depth",
-			Help: "Dead letters waiting for a person, by source. Alert on any non-zero value.",
-		}, []string{"source"})),
-		DLQAge: register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "txbox_dlq_age_seconds",
-			Help: "Age of the oldest dead letter, by source. Alert over one hour.",
-		}, []string{"source"})),
-		DeadLetters: deadLetters(reg),
-		PublishErrors: register(reg, prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "txbox_relay_publish_errors_total",
-			Help: "Batches whose publish failed and will be retried.",
-		})),
+		Published: counter("txbox_relay_published_total",
+			"Outbox messages published and completed."),
+		PublishErrors: counter("txbox_relay_publish_errors_total",
+			"Batches whose publish failed and will be retried."),
+		Fenced: counter("txbox_fenced_rejections_total",
+			"Times a relay found its lease superseded (by the database or the broker) and dropped a shard: zombie work refused."),
+		ShardsHeld: gauge("txbox_relay_shards_held",
+			"Shard leases the relays of this process hold. Alert when no relay holds any."),
+		LeaseTTL: gauge("txbox_relay_lease_ttl_seconds",
+			"The relay's lease TTL: side-effect calls should take well under it (compare txbox_side_effect_duration_seconds)."),
+		Backlog: gauge("txbox_outbox_backlog",
+			"Outbox rows (messages and calls) not yet published or executed."),
+		OldestPending: gauge("txbox_outbox_oldest_pending_seconds",
+			"Age of the oldest outbox row not yet published or executed."),
+		StatsTime: gauge("txbox_relay_stats_timestamp_seconds",
+			"When the outbox and dead-letter gauges were last measured (Unix time): they are refreshed every StatsInterval."),
+		DLQDepth: bySource("txbox_dlq_depth",
+			"Dead letters waiting for a person, by source. Alert on any non-zero value."),
+		DLQAge: bySource("txbox_dlq_age_seconds",
+			"Age of the oldest dead letter, by source. Alert over one hour."),
+		DeadLetters: deadLetters(reg, schema),
 	}
 }
 
-// Calls holds the collectors of the relay's side-effect calls.
+// Calls holds the collectors of the relay's side-effect calls, curried with the relay's schema.
 type Calls struct {
 	// Duration is the time of each request to the provider, by outcome. Its p99 must stay below the
 	// relay's lease TTL.
-	Duration *prometheus.HistogramVec
+	Duration prometheus.ObserverVec
 	// Results counts requests by what the relay did with their outcome.
 	Results *prometheus.CounterVec
 	// IdempotencyErrors counts calls whose key the provider had seen with other parameters: each one
@@ -134,26 +158,28 @@ type Calls struct {
 	InFlight prometheus.Gauge
 }
 
-// NewCalls creates (or finds) the call collectors in reg; a nil reg keeps them unregistered.
-func NewCalls(reg prometheus.Registerer) *Calls {
+// NewCalls creates (or finds) the call collectors in reg for the relay of schema; a nil reg keeps
+// them unregistered.
+func NewCalls(reg prometheus.Registerer, schema string) *Calls {
+	of := ofSchema(schema)
 	return &Calls{
 		Duration: register(reg, prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "txbox_side_effect_duration_seconds",
 			Help:    "Duration of each side-effect request, by outcome. Its p99 must stay below the relay's lease TTL.",
 			Buckets: []float64{0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60},
-		}, []string{"outcome"})),
+		}, []string{"schema", "outcome"})).MustCurryWith(of),
 		Results: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "txbox_side_effect_calls_total",
 			Help: "Side-effect requests by result: succeeded, declined, rejected (done); retry; dead (dead-lettered); abandoned (lease lost mid-call).",
-		}, []string{"result"})),
-		IdempotencyErrors: register(reg, prometheus.NewCounter(prometheus.CounterOpts{
+		}, []string{"schema", "result"})).MustCurryWith(of),
+		IdempotencyErrors: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "txbox_side_effect_idempotency_errors_total",
 			Help: "Calls the provider refused because their idempotency key was used with other parameters; each is dead-lettered. Alert on any increase.",
-		})),
-		InFlight: register(reg, prometheus.NewGauge(prometheus.GaugeOpts{
+		}, []string{"schema"})).With(of),
+		InFlight: register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "txbox_side_effect_calls_in_flight",
 			Help: "Side-effect requests waiting for the provider's answer.",
-		})),
+		}, []string{"schema"})).With(of),
 	}
 }
 
