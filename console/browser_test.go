@@ -22,9 +22,11 @@ import (
 	"github.com/chromedp/chromedp"
 	"github.com/stretchr/testify/require"
 
+	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/txtest"
+	"github.com/txbox/txbox/internal/visible"
 	"github.com/txbox/txbox/kafkasub"
 	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
@@ -39,15 +41,28 @@ const ArtifactsEnv = "TXBOX_TEST_ARTIFACTS"
 // looks green while proving nothing.
 func chromiumPath(t *testing.T) string {
 	t.Helper()
-	if _, err := os.Stat("/usr/bin/chromium"); err == nil {
-		return "/usr/bin/chromium"
+	path, err := findChromium("/usr/bin/chromium", exec.LookPath)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if p, err := exec.LookPath("chromium"); err == nil {
-		return p
+	return path
+}
+
+func findChromium(debian string, lookPath func(string) (string, error)) (string, error) {
+	if _, err := os.Stat(debian); err == nil {
+		return debian, nil
 	}
-	t.Fatal("the browser tests need Chromium, and /usr/bin/chromium is missing: install it with " +
-		"`apt-get update && apt-get install -y chromium` (.ci/run does so when it is missing)")
-	return ""
+	if path, err := lookPath("chromium"); err == nil {
+		return path, nil
+	}
+	return "", fmt.Errorf("the browser tests need Chromium, and %s is missing: install it with "+
+		"`apt-get update && apt-get install -y chromium` (.ci/run does so when it is missing)", debian)
+}
+
+func TestWithoutChromiumTheBrowserTestsFailSayingHowToInstallIt(t *testing.T) {
+	t.Parallel()
+	_, err := findChromium(filepath.Join(t.TempDir(), "chromium"), func(string) (string, error) { return "", exec.ErrNotFound })
+	require.ErrorContains(t, err, "apt-get update && apt-get install -y chromium")
 }
 
 // newBrowser starts headless Chromium for the test, stopped when the test ends, and returns its
@@ -267,6 +282,11 @@ func TestOperatorScenarioInARealBrowser(t *testing.T) {
 
 	// The overview.
 	require.NoError(t, chromedp.Do(bctx, chromedp.Navigate(base+"/")))
+	waitText(t, bctx, "#dlq-inbox-count", "3")
+	waitText(t, bctx, "#freshness", "Snapshot as of")
+	waitText(t, bctx, "#relays-live", "1")
+	waitText(t, bctx, "#calls-retrying", "txbox_stuck")
+	waitText(t, bctx, "#leases", "0")
 	screenshot(t, bctx, "console-overview.png")
 
 	// Filter the letters: the consumer's, reason "unprocessable".
@@ -374,8 +394,15 @@ func TestOperatorScenarioInARealBrowser(t *testing.T) {
 	))
 	waitText(t, bctx, ".result-key", "txbox_paid")
 
-	// The overview follows: one inbox letter fewer, the buried call among the relay's.
+	// The overview: no inbox letter left, the buried call among the relay's letters.
 	require.NoError(t, chromedp.Do(bctx, chromedp.Navigate(base+"/")))
+	waitText(t, bctx, "#dlq-inbox-count", "0")
+	waitText(t, bctx, "#dlq-relay-count", "1")
+	waitText(t, bctx, "#calls-retrying", "none")
+	// It follows what happens without a reload: the ledger breaks again and a payment dies.
+	sc.broken.Store(true)
+	sc.publish(t, "pay-late", `{"order":4}`, nil)
+	waitText(t, bctx, "#dlq-inbox-count", "1")
 	screenshot(t, bctx, "console-overview-after.png")
 
 	audit := b.audit(t)
@@ -393,4 +420,51 @@ func TestOperatorScenarioInARealBrowser(t *testing.T) {
 	require.True(t, strings.HasPrefix(actions[5], "bury: moved call"), actions[5])
 	require.Empty(t, alerts(), "script from a message ran")
 	require.False(t, errors.Is(bctx.Err(), context.DeadlineExceeded))
+}
+
+// The overview is the one page a script fills in: it too shows stored text as text, in a real
+// browser, escapes included.
+func TestOverviewShowsStoredTextAsText(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	ctx := context.Background()
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		_, err := b.env.Pool.Exec(ctx, sql, args...)
+		require.NoError(t, err)
+	}
+	exec(`INSERT INTO `+b.env.Q("txbox_lease")+` (shard, shards, owner, token, expires_at) VALUES (0, 1, $1, 7, now() + interval '1 minute')`, hostile)
+	exec(`INSERT INTO `+b.env.Q("txbox_relay_node")+` (owner, expires_at) VALUES ($1, now() + interval '1 minute')`, hostile)
+	exec(`INSERT INTO `+b.env.Q("txbox_dedup_stats")+` (minute, consumer, handler, checks, hits) VALUES (date_trunc('minute', now()), $1, $1, 4, 1)`, hostile)
+	exec(`INSERT INTO `+b.env.Q("txbox_call_result")+` (idempotency_key, call_uuid, outcome, http_status, object_id, body, attempts, duration_ms)
+		VALUES ($1, 'c', 'declined', 402, $1, '', 1, 1)`, hostile)
+	b.addLetter(t, dlq.Entry{Source: dlq.SourceRelay, Kind: "call", Topic: "t", UUID: "c-1", IdempotencyKey: hostile, Reason: hostile, Error: hostile})
+
+	bctx, alerts := newBrowser(t)
+	bctx, cancel := context.WithTimeout(bctx, 2*time.Minute)
+	defer cancel()
+	require.NoError(t, chromedp.Do(bctx, chromedp.Navigate(b.ts.URL+"/")))
+	waitText(t, bctx, "#freshness", "Snapshot as of")
+	// The script escapes as the server does (internal/visible).
+	shown := visible.Escape(hostile, false)
+	require.Equal(t, `<script>alert("x")</script>"><img src=x onerror=alert(1)>'; alert(1); '\x1b[31mRED\x1b[0m\x07evil\u202etxt.exe`, shown)
+	for _, table := range []string{"#leases", "#relays", "#dedup", "#calls-unsuccessful", "#calls-dead"} {
+		waitText(t, bctx, table, shown)
+	}
+	waitText(t, bctx, "#dedup", "25.00 %")
+	images, err := chromedp.Run(bctx, chromedp.Evaluate[int](`document.images.length`))
+	require.NoError(t, err)
+	require.Zero(t, images)
+	scripts, err := chromedp.Run(bctx, chromedp.Evaluate[int](`document.scripts.length`))
+	require.NoError(t, err)
+	require.Equal(t, 1, scripts)
+	href, err := chromedp.Run(bctx, chromedp.Evaluate[string](`document.querySelector("#calls-dead tbody tr td:nth-child(2) a").getAttribute("href")`))
+	require.NoError(t, err)
+	u, err := url.Parse(href)
+	require.NoError(t, err)
+	require.Equal(t, "/calls", u.Path, "a link stays on the console")
+	require.Empty(t, u.Host)
+	require.Equal(t, hostile, u.Query().Get("key"), "and carries the key exactly")
+	screenshot(t, bctx, "console-overview-hostile.png")
+	require.Empty(t, alerts(), "script from the database ran")
 }

@@ -97,6 +97,16 @@ func TestBuryMovesTheRowToTheDLQAndAuditsIt(t *testing.T) {
 	require.Contains(t, page.body, `id="bury-form"`)
 	require.Contains(t, br.get("/outbox").body, fmt.Sprintf(`href="/outbox/%d"`, id))
 
+	// The bury and its audit row commit together.
+	_, err := b.env.Pool.Exec(context.Background(), `ALTER TABLE `+b.env.Q("txbox_console_audit")+` ADD CONSTRAINT no_burials CHECK (action <> 'bury')`)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusSeeOther, br.post(path+"/bury", url.Values{"csrf": {csrf}, "reason": {"retired"}}, nil).status)
+	require.Contains(t, br.get(path).body, "Nothing was buried: console: audit:")
+	require.Equal(t, 1, b.count(t, "txbox_outbox", "true"))
+	require.Zero(t, b.count(t, "txbox_dlq", "true"))
+	_, err = b.env.Pool.Exec(context.Background(), `ALTER TABLE `+b.env.Q("txbox_console_audit")+` DROP CONSTRAINT no_burials`)
+	require.NoError(t, err)
+
 	res := br.post(path+"/bury", url.Values{"csrf": {csrf}, "reason": {"  "}}, nil)
 	require.Equal(t, http.StatusSeeOther, res.status)
 	require.Contains(t, br.get(path).body, "Nothing was buried: give a reason")

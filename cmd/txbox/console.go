@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/txbox/txbox/console"
+	"github.com/txbox/txbox/status"
 )
 
 // consoleTokenEnv holds the operator token. It has no flag on purpose: flags show in ps and shell
@@ -33,6 +34,8 @@ func (a *app) consoleCommand() *cobra.Command {
 		addr         = "127.0.0.1:9465"
 		readOnly     bool
 		allowedHosts string
+		window       = status.DefaultWindow
+		refresh      = console.DefaultRefresh
 	)
 	fs := cmd.Flags()
 	a.setting(fs, text(&addr, hostPort(false)), "addr", "TXBOX_CONSOLE_ADDR", "address the console listens on; anyone who reaches it can read messages")
@@ -40,6 +43,9 @@ func (a *app) consoleCommand() *cobra.Command {
 	f := a.setting(fs, text(&allowedHosts, list(nonEmpty)), "allowed-hosts", "TXBOX_CONSOLE_ALLOWED_HOSTS",
 		"comma-separated host names, besides localhost and IP addresses, that browsers may reach the console by (a proxy's name)")
 	annotate(f, annField, "Config.AllowedHosts")
+	a.setting(fs, durationIn(&window, time.Minute, 30*24*time.Hour), "window", "TXBOX_CONSOLE_WINDOW",
+		"how far back the overview looks for the dedup hit rate and call failures")
+	a.setting(fs, durationIn(&refresh, time.Second, time.Minute), "refresh", "TXBOX_CONSOLE_REFRESH", "how often the overview takes a new snapshot")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
 		pool, err := d.connect(ctx, a.log)
@@ -49,7 +55,7 @@ func (a *app) consoleCommand() *cobra.Command {
 		defer pool.Close()
 		srv, err := console.New(console.Config{
 			DB: pool, Schema: d.schema, Token: a.getenv(consoleTokenEnv), ReadOnly: readOnly,
-			AllowedHosts: splitList(allowedHosts), Logger: a.log,
+			AllowedHosts: splitList(allowedHosts), Window: window, Refresh: refresh, Logger: a.log,
 		})
 		if err != nil {
 			return usagef("%s", fieldNames(cmd, consoleTokenError(err)))
