@@ -14,7 +14,8 @@
 // result). A discard and a bury are audited in the same transaction as the change: both commit or
 // neither. A redrive moves letters in many paced transactions, so its audit is a row written
 // before the first letter moves and a row when it ends (done, stopped or failed); a redrive
-// interrupted by a crash of the console has only the first.
+// interrupted by a crash of the console has only the first. Server.Check refuses a console that
+// can change things on a schema without the audit table (migration 00007).
 //
 // # Safety
 //
