@@ -69,3 +69,18 @@ func (d *database) migrationStatus(ctx context.Context, pool *pgxpool.Pool) ([]*
 	}
 	return status, err
 }
+
+// connectAdmin makes an admin API for d's schema, then opens a pool. The admins qualify every
+// table with the schema, so the connection's search_path does not matter; an error of newAdmin is
+// a usage error naming the flag.
+func connectAdmin[T any](ctx context.Context, a *app, d *database, newAdmin func(schema string) (T, error)) (*pgxpool.Pool, T, error) {
+	admin, err := newAdmin(d.schema)
+	if err != nil {
+		return nil, admin, usagef("%v", fieldNames(d.cmd, err))
+	}
+	pool, err := d.connect(ctx, a.log)
+	if err != nil {
+		return nil, admin, err
+	}
+	return pool, admin, nil
+}

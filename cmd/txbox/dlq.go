@@ -85,18 +85,11 @@ func requireFilter(cmd *cobra.Command, f dlq.Filter) error {
 	return nil
 }
 
-// dlqConnect opens a pool and the admin API. The admin qualifies every table with the schema, so
-// the connection's search_path does not matter.
+// dlqConnect opens a pool and the dead letters' admin API.
 func (a *app) dlqConnect(ctx context.Context, d *database) (*pgxpool.Pool, *dlq.Admin, error) {
-	admin, err := dlq.NewAdmin(dlq.AdminConfig{Schema: d.schema})
-	if err != nil {
-		return nil, nil, usagef("%v", fieldNames(d.cmd, err))
-	}
-	pool, err := d.connect(ctx, a.log)
-	if err != nil {
-		return nil, nil, err
-	}
-	return pool, admin, nil
+	return connectAdmin(ctx, a, d, func(schema string) (*dlq.Admin, error) {
+		return dlq.NewAdmin(dlq.AdminConfig{Schema: schema})
+	})
 }
 
 func (a *app) dlqList() *cobra.Command {

@@ -30,15 +30,9 @@ func (a *app) outboxCommand() *cobra.Command {
 
 // outboxConnect opens a pool and the relay's admin API for the lease table's layout.
 func (a *app) outboxConnect(ctx context.Context, d *database) (*pgxpool.Pool, *relay.Admin, error) {
-	admin, err := relay.NewAdmin(relay.AdminConfig{Schema: d.schema})
-	if err != nil {
-		return nil, nil, usagef("%v", fieldNames(d.cmd, err))
-	}
-	pool, err := d.connect(ctx, a.log)
-	if err != nil {
-		return nil, nil, err
-	}
-	return pool, admin, nil
+	return connectAdmin(ctx, a, d, func(schema string) (*relay.Admin, error) {
+		return relay.NewAdmin(relay.AdminConfig{Schema: schema})
+	})
 }
 
 func (a *app) outboxList() *cobra.Command {
