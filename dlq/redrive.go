@@ -17,6 +17,14 @@ import (
 // DefaultRedriveBatchSize is RedriveOptions.BatchSize when it is not specified.
 const DefaultRedriveBatchSize = 100
 
+// MaxUnpacedRedrive is the most letters PaceFor lets a redrive move without a rate a person chose:
+// a redrive is new traffic for every consumer of the topics and for the APIs they call.
+const MaxUnpacedRedrive = 100
+
+// ErrRateRequired is returned by PaceFor when more than MaxUnpacedRedrive letters are selected and
+// no rate was given.
+var ErrRateRequired = fmt.Errorf("dlq: a redrive of more than %d letters needs a rate", MaxUnpacedRedrive)
+
 // RedriveOptions configures a redrive.
 type RedriveOptions struct {
 	// Rate is the most letters moved per second. Required: a redrive is new traffic for every
@@ -152,6 +160,25 @@ func (a *Admin) Redrive(ctx context.Context, db DB, f Filter, opts RedriveOption
 		w.after = &last
 	}
 	return res, nil
+}
+
+// PaceFor completes opts for redriving the letters that plan, a dry run of f, counted: the rule
+// that `txbox dlq redrive` and the console share. With a Rate set it changes nothing. Without one
+// it allows at most MaxUnpacedRedrive letters, moved without a limit, and narrows f to the letters
+// counted, so that letters arriving meanwhile wait for a paced run; more letters are refused with
+// ErrRateRequired.
+func PaceFor(f Filter, plan RedriveResult, opts RedriveOptions) (Filter, RedriveOptions, error) {
+	if opts.Rate != 0 {
+		return f, opts, nil
+	}
+	if plan.Planned > MaxUnpacedRedrive {
+		return f, opts, fmt.Errorf("%w: %d are selected", ErrRateRequired, plan.Planned)
+	}
+	opts.Rate = rate.Inf
+	if f.Limit == 0 || f.Limit > plan.Planned {
+		f.Limit = plan.Planned
+	}
+	return f, opts, nil
 }
 
 // contextErr prefers ctx's own error: the limiter reports a cancellation in its own words.

@@ -122,7 +122,7 @@ func renderQueries(schema string) queries {
 
 // adminQueries are the statements of Admin.
 type adminQueries struct {
-	backlog, list, get, lockLeaseOf, deleteRow string
+	backlog, list, get, lockLeaseOf, deleteRow, callResults string
 }
 
 // adminLayout is the shard layout an admin query groups rows by: $1, or when it is NULL the lease
@@ -169,6 +169,14 @@ func renderAdminQueries(schema string) adminQueries {
 		lockLeaseOf: r(`SELECT l.shard FROM {schema}.txbox_lease AS l JOIN {schema}.txbox_outbox AS o ON l.shard = o.slot % l.shards
 			WHERE o.id = $1 FOR UPDATE OF l`),
 		deleteRow: r(`DELETE FROM {schema}.txbox_outbox WHERE id = $1`),
+		// Call results by idempotency key ($1) or provider object id ($2), each NULL when open; $3
+		// the limit. The object id is indexed (migration 00007) for reconciliation from the
+		// provider's side.
+		callResults: r(`SELECT idempotency_key, call_uuid, outcome, http_status, object_id, body, attempts, duration_ms,
+				first_attempt_at, completed_at
+			FROM {schema}.txbox_call_result
+			WHERE ($1::text IS NULL OR idempotency_key = $1) AND ($2::text IS NULL OR object_id = $2)
+			ORDER BY completed_at DESC, idempotency_key LIMIT $3`),
 	}
 }
 

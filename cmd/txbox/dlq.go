@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -19,11 +18,11 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/txbox/txbox/dlq"
+	"github.com/txbox/txbox/internal/age"
 )
 
-// maxUnpacedRedrive is the most letters a redrive moves without an explicit --rate: a redrive is
-// new traffic for every consumer of the topics and for the APIs they call.
-const maxUnpacedRedrive = 100
+// maxUnpacedRedrive is the most letters a redrive moves without an explicit --rate.
+const maxUnpacedRedrive = dlq.MaxUnpacedRedrive
 
 func (a *app) dlqCommand() *cobra.Command {
 	cmd := &cobra.Command{
@@ -279,18 +278,11 @@ func (a *app) dlqRedrive() *cobra.Command {
 		if dryRun {
 			return a.printRedrivePlan(ctx, pool, admin, f, plan, pace)
 		}
-		opts := dlq.RedriveOptions{Rate: rate.Limit(pace), Burst: burst, BatchSize: batch}
-		if pace == 0 {
-			if plan.Planned > maxUnpacedRedrive {
-				return usagef("%d letters match; redriving more than %d needs an explicit %s (letters per second), "+
-					"because every consumer of %s and the APIs they call see them as new traffic; try --dry-run first",
-					plan.Planned, maxUnpacedRedrive, refOf(cmd, "rate"), cell(topicNames(plan.Topics)))
-			}
-			// Unpaced, but only what was counted: letters that arrive meanwhile wait for a paced run.
-			opts.Rate = rate.Inf
-			if f.Limit == 0 || f.Limit > plan.Planned {
-				f.Limit = plan.Planned
-			}
+		f, opts, err := dlq.PaceFor(f, plan, dlq.RedriveOptions{Rate: rate.Limit(pace), Burst: burst, BatchSize: batch})
+		if err != nil {
+			return usagef("%d letters match; redriving more than %d needs an explicit %s (letters per second), "+
+				"because every consumer of %s and the APIs they call see them as new traffic; try --dry-run first",
+				plan.Planned, maxUnpacedRedrive, refOf(cmd, "rate"), cell(topicNames(plan.Topics)))
 		}
 		a.logStart(cmd, "letters", plan.Planned)
 		var lastReport time.Time
@@ -483,41 +475,10 @@ func indent(s string) string {
 }
 
 // formatAge prints an age compactly: 45s, 12m, 3h5m, 2d4h.
-func formatAge(d time.Duration) string {
-	d = max(d, 0).Round(time.Second)
-	switch {
-	case d < time.Minute:
-		return d.String()
-	case d < time.Hour:
-		return fmt.Sprintf("%dm", int(d.Minutes()))
-	case d < 24*time.Hour:
-		return fmt.Sprintf("%dh%dm", int(d.Hours()), int(d.Minutes())%60)
-	}
-	return fmt.Sprintf("%dd%dh", int(d.Hours())/24, int(d.Hours())%24)
-}
+func formatAge(d time.Duration) string { return age.Format(d) }
 
-var errAge = errors.New("not a duration such as 90m, 36h, 7d or 1d12h")
-
-// parseAge parses a Go duration or whole days and a Go duration: 7d, 1d12h. It refuses what would
-// overflow time.Duration instead of wrapping around.
-func parseAge(s string) (time.Duration, error) {
-	var days time.Duration
-	if i := strings.IndexByte(s, 'd'); i > 0 {
-		n, err := strconv.Atoi(s[:i])
-		if err != nil || n < 0 || n > int(maxAge/(24*time.Hour)) {
-			return 0, errAge
-		}
-		days, s = time.Duration(n)*24*time.Hour, s[i+1:]
-		if s == "" {
-			s = "0s"
-		}
-	}
-	d, err := time.ParseDuration(s)
-	if err != nil || d < 0 || d > maxAge {
-		return 0, errAge
-	}
-	return d + days, nil
-}
+// parseAge parses a Go duration or whole days and a Go duration: 7d, 1d12h.
+func parseAge(s string) (time.Duration, error) { return age.Parse(s) }
 
 // idsValue collects letter ids from repeated flags and comma-separated lists.
 func idsValue(p *[]int64) *value[[]int64] {

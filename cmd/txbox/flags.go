@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/txbox/txbox/internal/age"
 	"github.com/txbox/txbox/internal/sqlname"
 )
 
@@ -197,9 +198,8 @@ func shardsValue(p *int, slots int) *value[int] {
 	}}
 }
 
-// maxAge bounds every duration: far beyond any retention that makes sense, far below where
-// time.Duration overflows (about 106751 days).
-const maxAge = 3650 * 24 * time.Hour
+// maxAge bounds every duration (age.Max).
+const maxAge = age.Max
 
 // durationIn accepts Go durations and whole days ("90m", "36h", "7d", "1d12h") from lo to hi.
 // A zero default is shown as nothing: the usage text says what leaving it out means.

@@ -6,6 +6,7 @@
 //	txbox dlq list|show|redrive|discard
 //	txbox retention                delete rows txbox no longer needs
 //	txbox status [--json]          backlog, leases, relays, dead letters, dedup rate, call failures
+//	txbox console                  the operator console, a web UI on loopback
 //	txbox version | completion bash|zsh|fish
 //
 // Flags may come anywhere after the command; every setting falls back to a TXBOX_* environment
@@ -95,6 +96,7 @@ func (a *app) rootCommand() *cobra.Command {
 	root.AddCommand(
 		a.migrateCommand(), a.relayCommand(), a.outboxCommand(), a.dlqCommand(), a.retentionCommand(), a.statusCommand(),
 		a.versionCommand(),
+		a.consoleCommand(),
 	)
 	return root
 }
