@@ -164,8 +164,8 @@ func NewCalls(reg prometheus.Registerer, schema string) *Calls {
 	of := ofSchema(schema)
 	return &Calls{
 		Duration: register(reg, prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "txbox_side_effect_duration_seconds",
-			Help:    "Duration of each side-effect request, by outcome. Its p99 must stay below the relay's lease TTL.",
+			Name: "txbox_side_effect_duration_seconds",
+			Help: "Duration of each side-effect request, by outcome. Its p99 must stay below the relay's lease TTL.",
 			// Up to the longest lease TTL the relay accepts (10m), so the p99-above-TTL alert can fire for any TTL.
 			Buckets: []float64{0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600},
 		}, []string{"schema", "outcome"})).MustCurryWith(of),
