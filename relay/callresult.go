@@ -30,13 +30,17 @@ type CallResult struct {
 	CompletedAt    time.Time
 }
 
-// CallResultQuery selects call results. At least one of IdempotencyKey and ObjectID is required;
-// given both, a result must match both.
+// CallResultQuery selects call results; its conditions combine with AND. At least one of
+// IdempotencyKey, ObjectID and Unsuccessful is required.
 type CallResultQuery struct {
 	// IdempotencyKey selects the result of the calls with this key.
 	IdempotencyKey string
 	// ObjectID selects the results that name this provider object ("ch_…", "pi_…").
 	ObjectID string
+	// Unsuccessful selects the results other than succeeded: declined or rejected calls.
+	Unsuccessful bool
+	// Within selects the results completed less than this long ago, by the database clock.
+	Within time.Duration
 	// Limit is the most results returned, the most recent first. If not specified, defaults to
 	// 100; at most 10000.
 	Limit int
@@ -47,8 +51,10 @@ type CallResultQuery struct {
 // object id the provider shows.
 func (a *Admin) CallResults(ctx context.Context, db Queryer, q CallResultQuery) ([]CallResult, error) {
 	switch {
-	case q.IdempotencyKey == "" && q.ObjectID == "":
-		return nil, errors.New("relay: CallResultQuery needs an IdempotencyKey or an ObjectID")
+	case q.IdempotencyKey == "" && q.ObjectID == "" && !q.Unsuccessful:
+		return nil, errors.New("relay: CallResultQuery needs an IdempotencyKey, an ObjectID or Unsuccessful")
+	case q.Within < 0:
+		return nil, fmt.Errorf("relay: CallResultQuery.Within must not be negative, got %s", q.Within)
 	case q.Limit < 0 || q.Limit > 10000:
 		return nil, fmt.Errorf("relay: CallResultQuery.Limit must be between 1 and 10000 (0 means 100), got %d", q.Limit)
 	}
@@ -62,7 +68,11 @@ func (a *Admin) CallResults(ctx context.Context, db Queryer, q CallResultQuery) 
 	if limit == 0 {
 		limit = 100
 	}
-	rows, err := db.Query(ctx, a.sql.callResults, opt(q.IdempotencyKey), opt(q.ObjectID), limit)
+	var within any
+	if q.Within > 0 {
+		within = q.Within.Milliseconds()
+	}
+	rows, err := db.Query(ctx, a.sql.callResults, opt(q.IdempotencyKey), opt(q.ObjectID), q.Unsuccessful, within, limit)
 	if err != nil {
 		return nil, fmt.Errorf("relay: call results: %w", err)
 	}

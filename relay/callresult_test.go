@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -50,8 +51,14 @@ func TestAdminCallResultsByKeyAndObjectID(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, none)
 
+	succeededOnly, err := admin.CallResults(ctx, b.env.Pool, relay.CallResultQuery{Unsuccessful: true, Within: time.Hour})
+	require.NoError(t, err)
+	require.Empty(t, succeededOnly, "the one result succeeded")
+
 	_, err = admin.CallResults(ctx, b.env.Pool, relay.CallResultQuery{})
-	require.ErrorContains(t, err, "needs an IdempotencyKey or an ObjectID")
+	require.ErrorContains(t, err, "needs an IdempotencyKey, an ObjectID or Unsuccessful")
+	_, err = admin.CallResults(ctx, b.env.Pool, relay.CallResultQuery{Unsuccessful: true, Within: -time.Second})
+	require.ErrorContains(t, err, "CallResultQuery.Within")
 	_, err = admin.CallResults(ctx, b.env.Pool, relay.CallResultQuery{ObjectID: "x", Limit: -1})
 	require.ErrorContains(t, err, "CallResultQuery.Limit")
 }

@@ -122,7 +122,7 @@ func renderQueries(schema string) queries {
 
 // adminQueries are the statements of Admin.
 type adminQueries struct {
-	backlog, list, get, lockLeaseOf, deleteRow, callResults string
+	backlog, list, get, lockLeaseOf, deleteRow, callResults, leases, nodes string
 }
 
 // adminLayout is the shard layout an admin query groups rows by: $1, or when it is NULL the lease
@@ -169,25 +169,19 @@ func renderAdminQueries(schema string) adminQueries {
 		lockLeaseOf: r(`SELECT l.shard FROM {schema}.txbox_lease AS l JOIN {schema}.txbox_outbox AS o ON l.shard = o.slot % l.shards
 			WHERE o.id = $1 FOR UPDATE OF l`),
 		deleteRow: r(`DELETE FROM {schema}.txbox_outbox WHERE id = $1`),
-		// Call results by idempotency key ($1) or provider object id ($2), each NULL when open; $3
-		// the limit. The object id is indexed (migration 00007) for reconciliation from the
-		// provider's side.
+		// Call results by idempotency key ($1) or provider object id ($2), each NULL when open,
+		// only those not succeeded ($3), completed within $4 ms (NULL when open); $5 the limit.
+		// The object id is indexed (migration 00007) for reconciliation from the provider's side.
 		callResults: r(`SELECT idempotency_key, call_uuid, outcome, http_status, object_id, body, attempts, duration_ms,
 				first_attempt_at, completed_at
 			FROM {schema}.txbox_call_result
 			WHERE ($1::text IS NULL OR idempotency_key = $1) AND ($2::text IS NULL OR object_id = $2)
-			ORDER BY completed_at DESC, idempotency_key LIMIT $3`),
+			  AND (NOT $3::bool OR outcome <> 'succeeded')
+			  AND ($4::bigint IS NULL OR completed_at > now() - $4 * interval '1 millisecond')
+			ORDER BY completed_at DESC, idempotency_key LIMIT $5`),
+		leases: r(`SELECT shard, shards, coalesce(owner, ''), token, CASE WHEN isfinite(expires_at) THEN expires_at END,
+				expires_at <= now()
+			FROM {schema}.txbox_lease ORDER BY shard`),
+		nodes: r(`SELECT owner, expires_at, expires_at > now() AS live FROM {schema}.txbox_relay_node ORDER BY live DESC, owner`),
 	}
 }
-
-// Reports for operators (status.go) beside Admin's: read-only, by the database clock.
-const (
-	leasesSQL = `SELECT shard, shards, coalesce(owner, ''), token, CASE WHEN isfinite(expires_at) THEN expires_at END, expires_at <= now()
-		FROM {schema}.txbox_lease ORDER BY shard`
-	nodesSQL = `SELECT owner, expires_at, expires_at > now() AS live
-		FROM {schema}.txbox_relay_node ORDER BY live DESC, owner`
-	unsuccessfulCallsSQL = `SELECT idempotency_key, outcome, http_status, object_id, attempts, completed_at
-		FROM {schema}.txbox_call_result
-		WHERE outcome <> 'succeeded' AND completed_at > now() - $1 * interval '1 millisecond'
-		ORDER BY completed_at DESC LIMIT $2`
-)

@@ -6,8 +6,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/txbox/txbox/internal/sqlname"
 )
 
 // Lease is one shard's lease row as stored.
@@ -25,9 +23,9 @@ type Lease struct {
 	Expired bool `json:"expired"`
 }
 
-// Leases returns the lease rows of the outbox in schema, by shard.
-func Leases(ctx context.Context, db Queryer, schema string) ([]Lease, error) {
-	rows, err := query(ctx, db, schema, leasesSQL)
+// Leases returns the lease rows, by shard.
+func (a *Admin) Leases(ctx context.Context, db Queryer) ([]Lease, error) {
+	rows, err := db.Query(ctx, a.sql.leases)
 	if err != nil {
 		return nil, fmt.Errorf("relay: leases: %w", err)
 	}
@@ -50,10 +48,10 @@ type Node struct {
 	Live bool `json:"live"`
 }
 
-// Nodes returns the relays registered in schema, live ones first, then by owner. Registrations
-// that expired more than an hour ago are pruned by the running relays.
-func Nodes(ctx context.Context, db Queryer, schema string) ([]Node, error) {
-	rows, err := query(ctx, db, schema, nodesSQL)
+// Nodes returns the registered relays, live ones first, then by owner. Registrations that expired
+// more than an hour ago are pruned by the running relays.
+func (a *Admin) Nodes(ctx context.Context, db Queryer) ([]Node, error) {
+	rows, err := db.Query(ctx, a.sql.nodes)
 	if err != nil {
 		return nil, fmt.Errorf("relay: relays: %w", err)
 	}
@@ -66,40 +64,4 @@ func Nodes(ctx context.Context, db Queryer, schema string) ([]Node, error) {
 		return nil, fmt.Errorf("relay: relays: %w", err)
 	}
 	return out, nil
-}
-
-// CallOutcome is the stored result of a call that did not succeed: declined or rejected.
-type CallOutcome struct {
-	IdempotencyKey string    `json:"idempotency_key"`
-	Outcome        string    `json:"outcome"`
-	HTTPStatus     int       `json:"http_status"`
-	ObjectID       string    `json:"object_id"`
-	Attempts       int       `json:"attempts"`
-	CompletedAt    time.Time `json:"completed_at"`
-}
-
-// UnsuccessfulCalls returns up to limit call results other than succeeded that were completed in
-// the last window, by the database clock, the most recent first.
-func UnsuccessfulCalls(ctx context.Context, db Queryer, schema string, window time.Duration, limit int) ([]CallOutcome, error) {
-	rows, err := query(ctx, db, schema, unsuccessfulCallsSQL, window.Milliseconds(), limit)
-	if err != nil {
-		return nil, fmt.Errorf("relay: unsuccessful calls: %w", err)
-	}
-	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (CallOutcome, error) {
-		var c CallOutcome
-		err := row.Scan(&c.IdempotencyKey, &c.Outcome, &c.HTTPStatus, &c.ObjectID, &c.Attempts, &c.CompletedAt)
-		return c, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("relay: unsuccessful calls: %w", err)
-	}
-	return out, nil
-}
-
-func query(ctx context.Context, db Queryer, schema, template string, args ...any) (pgx.Rows, error) {
-	quoted, err := sqlname.Schema(schema)
-	if err != nil {
-		return nil, err
-	}
-	return db.Query(ctx, sqlname.Render(template, quoted), args...)
 }

@@ -110,9 +110,19 @@ type Calls struct {
 	// Failing are pending calls whose last attempt failed; they will be retried.
 	Failing []FailingCall `json:"failing"`
 	// Unsuccessful are calls completed in the window with an outcome other than succeeded.
-	Unsuccessful []relay.CallOutcome `json:"unsuccessful"`
+	Unsuccessful []CallOutcome `json:"unsuccessful"`
 	// DeadLetters are call letters first failed in the window: a person must reconcile them.
 	DeadLetters []CallLetter `json:"dead_letters"`
+}
+
+// CallOutcome is the stored result of a call that did not succeed: declined or rejected.
+type CallOutcome struct {
+	IdempotencyKey string    `json:"idempotency_key"`
+	Outcome        string    `json:"outcome"`
+	HTTPStatus     int       `json:"http_status"`
+	ObjectID       string    `json:"object_id"`
+	Attempts       int       `json:"attempts"`
+	CompletedAt    time.Time `json:"completed_at"`
 }
 
 // FailingCall is a pending call whose last attempt failed.
@@ -170,8 +180,8 @@ func Read(ctx context.Context, db DB, opts Options) (*Report, error) {
 	switch {
 	case opts.Limit == 0:
 		opts.Limit = DefaultLimit
-	case opts.Limit < 0:
-		return nil, fmt.Errorf("status: Options.Limit must be positive, got %d", opts.Limit)
+	case opts.Limit < 0 || opts.Limit > 10000:
+		return nil, fmt.Errorf("status: Options.Limit must be between 1 and 10000, got %d", opts.Limit)
 	}
 	admin := admins{}
 	var err error
@@ -214,10 +224,10 @@ func read(ctx context.Context, tx pgx.Tx, opts Options, admin admins, rep *Repor
 		rep.Outbox.Pending += s.Messages + s.Calls
 		rep.Outbox.OldestPendingSeconds = max(rep.Outbox.OldestPendingSeconds, s.OldestPendingSeconds)
 	}
-	if rep.Leases, err = relay.Leases(ctx, tx, opts.Schema); err != nil {
+	if rep.Leases, err = admin.outbox.Leases(ctx, tx); err != nil {
 		return err
 	}
-	if rep.Relays, err = relay.Nodes(ctx, tx, opts.Schema); err != nil {
+	if rep.Relays, err = admin.outbox.Nodes(ctx, tx); err != nil {
 		return err
 	}
 
@@ -253,8 +263,13 @@ func read(ctx context.Context, tx pgx.Tx, opts Options, admin admins, rep *Repor
 		}
 		rep.Calls.Failing = append(rep.Calls.Failing, f)
 	}
-	if rep.Calls.Unsuccessful, err = relay.UnsuccessfulCalls(ctx, tx, opts.Schema, opts.Window, opts.Limit); err != nil {
+	unsuccessful, err := admin.outbox.CallResults(ctx, tx, relay.CallResultQuery{Unsuccessful: true, Within: opts.Window, Limit: opts.Limit})
+	if err != nil {
 		return err
+	}
+	for _, c := range unsuccessful {
+		rep.Calls.Unsuccessful = append(rep.Calls.Unsuccessful, CallOutcome{IdempotencyKey: c.IdempotencyKey, Outcome: c.Outcome,
+			HTTPStatus: c.HTTPStatus, ObjectID: c.ObjectID, Attempts: c.Attempts, CompletedAt: c.CompletedAt})
 	}
 	dead, err := admin.letters.List(ctx, tx, dlq.Filter{Kind: "call", YoungerThan: opts.Window, Limit: opts.Limit})
 	if err != nil {
