@@ -28,9 +28,13 @@
 //
 // # Attempts and dead letters
 //
-// With MaxAttempts set, each delivery is counted in its own small transaction before the handler
-// runs. A message that fails, or kills the process, MaxAttempts times is moved to the dead-letter
-// table on its next delivery and acknowledged. A delivery that fails for reasons that are not the
+// With MaxAttempts set, each delivery writes a crash marker in its own small transaction before the
+// handler runs. A message that fails, or kills the process, MaxAttempts times is moved to the
+// dead-letter table on its next delivery and acknowledged. A crash takes down every message in
+// flight, so a marker left by one only makes its message a suspect: a suspect runs alone in its
+// process (no other delivery of the Inbox runs meanwhile), and a crash counts against a message only
+// when it ran alone. The crashes a suspect was in flight for count too if it then crashes alone, and
+// are forgiven if it does not: a message is never dead-lettered for another's crashes. A delivery that fails for reasons that are not the
 // message's gives its attempt back: it never reached the handler (a duplicate that gave up waiting
 // on another instance's lock, no connection in time), or it ended in a serialization failure, a
 // deadlock, a lock timeout, a lost connection, a server shutting down, or the cancellation of the

@@ -67,7 +67,8 @@ type Config struct {
 	// the dead-letter table.
 	DedupKey func(*message.Message) (string, error)
 	// MaxAttempts is how many deliveries a message gets before it is moved to the dead-letter table.
-	// Attempts are counted durably, before the handler runs. If not specified, defaults to 10;
+	// A crash of the process counts against the message only if it ran alone, as a crash suspect
+	// (see the package doc). If not specified, defaults to 10;
 	// a negative value disables counting (a failing message is then retried forever).
 	MaxAttempts int
 	// MaxPayloadBytes sends larger messages to the dead-letter table unprocessed. If not specified,
@@ -136,6 +137,11 @@ type Inbox struct {
 
 	tokensMu sync.Mutex
 	tokens   map[stream]int64 // highest fencing token seen per ordered stream
+
+	// crashDomain makes a crash attributable: a crash suspect runs while no other message of the
+	// inbox does (it takes it exclusively, every other delivery shared), so if the process dies
+	// then, the suspect killed it.
+	crashDomain sync.RWMutex
 }
 
 type stream struct {
@@ -290,11 +296,14 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 	}
 	ib.observeToken(ctx, msg, shard, token)
 
-	attempts := 0
+	attempts, alone := 0, false
 	if ib.cfg.MaxAttempts > 0 {
-		// Counted in its own transaction, before the handler: a crash inside the handler still counts.
-		var lastErr *string
-		err := ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, ib.args(sc)...).Scan(&attempts, &lastErr)
+		var (
+			lastErr *string
+			suspect bool
+		)
+		// The crash marker is written before the handler runs: a crash inside the handler leaves it.
+		err := ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, ib.args(sc)...).Scan(&attempts, &lastErr, &suspect)
 		if errors.Is(err, pgx.ErrNoRows) {
 			ib.hit(ctx, sc)
 			return nil // Processed (or dead) before: the inbox row exists.
@@ -302,16 +311,33 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 		if err != nil {
 			return fmt.Errorf("inbox: count attempt of %s: %w", key, err)
 		}
-		if attempts > ib.cfg.MaxAttempts {
-			cause := fmt.Errorf("%d attempts failed", attempts-1)
-			if lastErr != nil {
-				cause = fmt.Errorf("%d attempts failed, last: %s", attempts-1, *lastErr)
+		if suspect {
+			failpoint.HitContext(ctx, "inbox.before-run-alone")
+			ib.crashDomain.Lock()
+			defer ib.crashDomain.Unlock()
+			err := ib.cfg.DB.QueryRow(ctx, ib.sql.runAlone, ib.args(sc, ib.cfg.MaxAttempts)...).Scan(&attempts, &lastErr, &alone)
+			switch {
+			case errors.Is(err, pgx.ErrNoRows):
+				// The counter is gone: another delivery settled the message meanwhile, which the
+				// inbox row will show.
+				alone = true
+			case err != nil:
+				return fmt.Errorf("inbox: run %s alone: %w", key, err)
+			case !alone:
+				// Nothing to give back: the statement ended the attempt it would have started.
+				return ib.exhausted(ctx, msg, sc, attempts, lastErr)
 			}
-			err := ib.kill(ctx, msg, sc, ReasonAttemptsExhausted, cause, attempts-1)
-			if err != nil {
-				ib.endAttempt(ctx, sc, true, err) // This delivery did nothing.
+		} else {
+			if attempts >= ib.cfg.MaxAttempts {
+				err := ib.exhausted(ctx, msg, sc, attempts, lastErr)
+				if err != nil {
+					ib.endAttempt(ctx, sc, false, true, err) // This delivery did nothing.
+				}
+				return err
 			}
-			return err
+			attempts++ // This one.
+			ib.crashDomain.RLock()
+			defer ib.crashDomain.RUnlock()
 		}
 	}
 
@@ -329,9 +355,18 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 		return ib.kill(ctx, msg, sc, ReasonUnprocessable, herr, attempts)
 	}
 	if ib.cfg.MaxAttempts > 0 {
-		ib.endAttempt(ctx, sc, transient, herr)
+		ib.endAttempt(ctx, sc, alone, transient, herr)
 	}
 	return herr
+}
+
+// exhausted moves a message whose failed attempts reached the limit to the dead-letter table.
+func (ib *Inbox) exhausted(ctx context.Context, msg *message.Message, sc scope, attempts int, lastErr *string) error {
+	cause := fmt.Errorf("%d attempts failed", attempts)
+	if lastErr != nil {
+		cause = fmt.Errorf("%d attempts failed, last: %s", attempts, *lastErr)
+	}
+	return ib.kill(ctx, msg, sc, ReasonAttemptsExhausted, cause, attempts)
 }
 
 // hit counts a delivery recognised as a duplicate, and marks its span.
@@ -345,18 +380,19 @@ func (ib *Inbox) hit(ctx context.Context, sc scope) {
 // context was cancelled.
 const settleTimeout = 5 * time.Second
 
-// endAttempt records how a counted delivery failed. A failure of the message (the handler's error,
-// or a crash, which never gets here) keeps its attempt and becomes the last error. A transient one
-// gives the attempt back, so that only real failures bring a message to the dead-letter table. If
-// the database cannot be reached for this either, the attempt stays used up.
-func (ib *Inbox) endAttempt(ctx context.Context, sc scope, transient bool, cause error) {
+// endAttempt records how a counted delivery failed (alone: it ran as a crash suspect). A failure of
+// the message (the handler's error, or a crash, which never gets here) keeps its attempt and becomes
+// the last error. A transient one gives the attempt back, so that only real failures bring a message
+// to the dead-letter table. If the database cannot be reached for this either, the attempt stays
+// unfinished, and the message is a crash suspect at its next delivery.
+func (ib *Inbox) endAttempt(ctx context.Context, sc scope, alone, transient bool, cause error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
-	giveBack, lastErr := 0, any(cause.Error())
+	lastErr := any(cause.Error())
 	if transient {
-		giveBack, lastErr = 1, nil
+		lastErr = nil
 	}
-	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.endAttempt, ib.args(sc, giveBack, lastErr)...); err != nil {
+	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.endAttempt, ib.args(sc, alone, transient, lastErr)...); err != nil {
 		fields := sc.logFields()
 		fields["transient"] = transient
 		ib.logger.Error("Could not record the end of an attempt", err, fields)

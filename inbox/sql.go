@@ -3,12 +3,13 @@ package inbox
 import "github.com/txbox/txbox/internal/sqlname"
 
 type queries struct {
-	countAttempt, endAttempt, deleteAttempts, insertInbox, insertDead, flushStats string
+	countAttempt, runAlone, endAttempt, deleteAttempts, insertInbox, insertDead, flushStats string
 }
 
 func renderQueries(schema string) queries {
 	return queries{
 		countAttempt:   sqlname.Render(countAttemptSQL, schema),
+		runAlone:       sqlname.Render(runAloneSQL, schema),
 		endAttempt:     sqlname.Render(endAttemptSQL, schema),
 		deleteAttempts: sqlname.Render(deleteAttemptsSQL, schema),
 		insertInbox:    sqlname.Render(insertInboxSQL, schema),
@@ -36,21 +37,52 @@ const bounds = `(SELECT set_config('lock_timeout', $4, true), set_config('idle_i
 const noConsumerWideRow = `($3::text = '' OR NOT EXISTS (
     SELECT 1 FROM {schema}.txbox_inbox WHERE consumer = $1 AND dedup_key = $2 AND handler = ''))`
 
-// countAttemptSQL returns no row when the message already has an inbox row: the cheap path for
-// duplicates, taken without opening the handler's transaction.
+// countAttemptSQL writes the crash marker of a delivery before its handler runs: one more unfinished
+// attempt. It returns the message's failed attempts, its last error and whether it is a crash suspect:
+// an attempt before this one never ended (the process crashed, or another instance is processing
+// it), or it ran alone last. It returns no row when the message already has an inbox row: the cheap
+// path for duplicates, taken without opening the handler's transaction.
 const countAttemptSQL = `
-INSERT INTO {schema}.txbox_inbox_attempt AS a (consumer, dedup_key, handler, attempts)
-SELECT $1, $2, $3, 1
+INSERT INTO {schema}.txbox_inbox_attempt AS a (consumer, dedup_key, handler, attempts, unfinished)
+SELECT $1, $2, $3, 0, 1
 FROM ` + bounds + `
 WHERE NOT EXISTS (SELECT 1 FROM {schema}.txbox_inbox WHERE consumer = $1 AND dedup_key = $2 AND handler IN ($3, ''))
-ON CONFLICT (consumer, dedup_key, handler) DO UPDATE SET attempts = a.attempts + 1, last_at = now()
-RETURNING attempts, last_error`
+ON CONFLICT (consumer, dedup_key, handler) DO UPDATE SET unfinished = a.unfinished + 1, last_at = now()
+RETURNING attempts, last_error, unfinished > 1 OR alone OR suspected > 0`
 
-// endAttemptSQL gives back $6 attempts (1 after a transient failure, else 0) and records the last
-// error $7 when it is not NULL.
+// confirmed is a counter's failed attempts once a crash while it ran alone is known: the attempt that
+// ran alone never ended, so the unfinished attempts set aside for that verdict are charged too.
+const confirmed = `(a.attempts + CASE WHEN a.alone THEN a.suspected ELSE 0 END)`
+
+// runAloneSQL starts a suspect's attempt, run while nothing else runs in its process, unless its
+// failed attempts reached the limit $6. It sets aside the unfinished attempts before this delivery's
+// own marker (the delivery itself no longer counts as unfinished: it runs alone now). It returns the
+// attempts, now including this one if it runs, the last error and whether it runs.
+const runAloneSQL = `
+UPDATE {schema}.txbox_inbox_attempt AS a
+SET attempts = ` + confirmed + ` + CASE WHEN ` + confirmed + ` < $6 THEN 1 ELSE 0 END,
+    alone = ` + confirmed + ` < $6,
+    suspected = CASE WHEN a.alone THEN 0 ELSE a.suspected END + greatest(a.unfinished - 1, 0),
+    unfinished = 0,
+    last_at = now()
+FROM ` + bounds + `
+WHERE a.consumer = $1 AND a.dedup_key = $2 AND a.handler = $3
+RETURNING a.attempts, a.last_error, a.alone`
+
+// endAttemptSQL records how an attempt that did not succeed ended: $6 says it ran alone, $7 that its
+// failure was transient, $8 is its error (NULL when transient). An attempt that ran with others stops
+// being unfinished and, unless transient, becomes a failed attempt. One that ran alone was counted
+// when it started, and did not crash the process: a failure forgives the attempts suspected with
+// it; a transient failure gives its own attempt back and leaves them to the next attempt alone.
 const endAttemptSQL = `
 UPDATE {schema}.txbox_inbox_attempt
-SET attempts = greatest(attempts - $6::integer, 0), last_error = coalesce(left($7::text, 4000), last_error)
+SET unfinished = CASE WHEN $6 THEN unfinished ELSE greatest(unfinished - 1, 0) END,
+    attempts = CASE WHEN $6 AND $7 THEN greatest(attempts - 1, 0)
+                    WHEN NOT $6 AND NOT $7 THEN attempts + 1
+                    ELSE attempts END,
+    suspected = CASE WHEN $6 AND NOT $7 THEN 0 ELSE suspected END,
+    alone = alone AND NOT $6,
+    last_error = coalesce(left($8::text, 4000), last_error)
 FROM ` + bounds + `
 WHERE consumer = $1 AND dedup_key = $2 AND handler = $3`
 

@@ -1,0 +1,144 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+
+	"github.com/txbox/txbox/inbox"
+	"github.com/txbox/txbox/internal/failpoint"
+)
+
+var errCrash = errors.New("the process crashed")
+
+// process is one run of a consumer process, from its start to its crash: an Inbox of its own (a
+// restarted process starts with nothing in memory) over a database that it stops reaching when it
+// dies. A crash is simulated by its consequences: the handlers in flight unwind without ending their
+// attempts (they panic), their transactions are rolled back as PostgreSQL rolls back those of a lost
+// connection, and nothing the process would have done afterwards reaches the database.
+type process struct {
+	dead chan struct{}
+	once sync.Once
+}
+
+func (p *process) crash() { p.once.Do(func() { close(p.dead) }) }
+
+func (p *process) alive() bool {
+	select {
+	case <-p.dead:
+		return false
+	default:
+		return true
+	}
+}
+
+// mortalDB is the database as a process sees it: unreachable once the process died.
+type mortalDB struct {
+	inbox.DB
+	p *process
+}
+
+func (d mortalDB) Begin(ctx context.Context) (pgx.Tx, error) {
+	if !d.p.alive() {
+		return nil, errCrash
+	}
+	return d.DB.Begin(ctx)
+}
+
+func (d mortalDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if !d.p.alive() {
+		return pgconn.CommandTag{}, errCrash
+	}
+	return d.DB.Exec(ctx, sql, args...)
+}
+
+func (d mortalDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if !d.p.alive() {
+		return deadRow{}
+	}
+	return d.DB.QueryRow(ctx, sql, args...)
+}
+
+type deadRow struct{}
+
+func (deadRow) Scan(...any) error { return errCrash }
+
+// A message that crashes its process every time, and an innocent one that is in flight with it
+// whenever they can be: in the process's first run both run side by side, so the crash cannot be
+// told apart, and in every later run the poison waits for the innocent to be in its handler, or
+// waiting to run, before it crashes. The poison is dead-lettered after exactly MaxAttempts crashes;
+// the innocent is processed once and never dead-lettered, however many of the poison's crashes it
+// was in flight for.
+func TestACrashIsChargedToTheMessageThatCausedIt(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil) // MaxAttempts: 3
+	poison, innocent := newMessage(), newMessage()
+	var poisonRuns atomic.Int64
+	settled := func() bool {
+		return b.count(t, "txbox_dlq", "uuid = $1", poison.UUID) == 1 && b.count(t, "effects", "id = $1", innocent.UUID) == 1
+	}
+	var unexpected []any
+	for run := 0; run < 10 && !settled(); run++ {
+		p := &process{dead: make(chan struct{})}
+		ib, err := inbox.New(inbox.Config{DB: mortalDB{b.env.Pool, p}, Consumer: "billing", Schema: b.env.Schema, MaxAttempts: 3, StatsInterval: -1}, nil)
+		require.NoError(t, err)
+		innocentIn, innocentWaits, innocentDone := make(chan struct{}), make(chan struct{}), make(chan struct{})
+		poisonWaits, poisonDone := make(chan struct{}), make(chan struct{})
+		h := ib.Middleware(b.handler(func(msg *message.Message) error {
+			if msg.UUID == poison.UUID {
+				poisonRuns.Add(1)
+				select {
+				case <-innocentIn:
+				case <-innocentWaits:
+				case <-innocentDone:
+				}
+				p.crash()
+				panic(errCrash)
+			}
+			close(innocentIn)
+			select {
+			case <-p.dead:
+			case <-poisonWaits: // It cannot run before this one ends.
+			case <-poisonDone:
+			}
+			if !p.alive() {
+				panic(errCrash)
+			}
+			return nil
+		}))
+		var mu sync.Mutex
+		// deliver delivers msg in a goroutine of its own, as a router does with several partitions.
+		deliver := func(msg *message.Message, waits, done chan struct{}) {
+			var once sync.Once
+			ctx := failpoint.WithHook(context.Background(), "inbox.before-run-alone", func() { once.Do(func() { close(waits) }) })
+			go func() {
+				defer close(done)
+				defer func() {
+					if r := recover(); r != nil && r != errCrash {
+						mu.Lock()
+						unexpected = append(unexpected, r)
+						mu.Unlock()
+					}
+				}()
+				_ = deliverCtx(ctx, h, msg)
+			}()
+		}
+		deliver(innocent, innocentWaits, innocentDone)
+		deliver(poison, poisonWaits, poisonDone)
+		<-innocentDone
+		<-poisonDone
+	}
+	require.Empty(t, unexpected)
+	require.Equal(t, 1, b.count(t, "effects", "id = $1", innocent.UUID), "the innocent message is processed")
+	require.Zero(t, b.count(t, "txbox_dlq", "uuid = $1", innocent.UUID), "the innocent message is not dead-lettered")
+	require.Equal(t, 1, b.count(t, "txbox_dlq", "uuid = $1 AND reason = $2 AND attempts = 3", poison.UUID, inbox.ReasonAttemptsExhausted))
+	require.Equal(t, int64(3), poisonRuns.Load(), "the poison crashed its process once per attempt")
+	require.Zero(t, b.count(t, "txbox_inbox_attempt", ""), "both counters are settled")
+}
