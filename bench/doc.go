@@ -18,6 +18,10 @@
 //     connecting to PostgreSQL is a one-off cost that would otherwise dominate small backlogs.
 //   - InboxDedup: one handler goroutine processing b.N messages through the inbox middleware, fresh
 //     and duplicate, against the same handler in a plain transaction without deduplication.
+//   - InboxRouter: b.N fresh messages through a Watermill router (a gochannel subscriber, whose
+//     messages the router handles concurrently, bounded by the pool's connections), the handler
+//     writing one business row, behind the inbox against the same handler without it, writing the
+//     row in a transaction of its own.
 //   - Latency: commit → consumer receive at a steady 200 messages per second, p50 and p99, with
 //     both pipelines polling every 10ms. b.N counts messages.
 //

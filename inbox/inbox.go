@@ -481,11 +481,6 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 			return false, false, err
 		}
 	}
-	if ib.cfg.MaxAttempts > 0 {
-		if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.args(sc)...); err != nil {
-			return false, false, fmt.Errorf("inbox: clear attempts of %s: %w", sc.key, err)
-		}
-	}
 	failpoint.HitContext(ctx, "inbox.before-commit")
 	if err := tx.Commit(ctx); err != nil {
 		return false, false, fmt.Errorf("inbox: commit %s: %w", sc.key, err)

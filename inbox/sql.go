@@ -37,6 +37,14 @@ const bounds = `(SELECT set_config('lock_timeout', $4, true), set_config('idle_i
 const noConsumerWideRow = `($3::text = '' OR NOT EXISTS (
     SELECT 1 FROM {schema}.txbox_inbox WHERE consumer = $1 AND dedup_key = $2 AND handler = ''))`
 
+// asyncCommit lets the statement's transaction commit without waiting for its WAL to reach the disk.
+// It is for the attempt counter's own transactions, whose commit would otherwise cost as much as the
+// handler's. A crash of the consumer process loses nothing the server has committed; only a crash of
+// PostgreSQL itself can lose the last few hundred milliseconds of such commits (wal_writer_delay),
+// and then a counter is one attempt behind: a poison pill crashes its consumer once more. The
+// handler's transaction commits synchronously, and flushes the counter's WAL written before it.
+const asyncCommit = `(SELECT set_config('synchronous_commit', 'off', true)) AS async`
+
 // countAttemptSQL writes the crash marker of a delivery before its handler runs: one more unfinished
 // attempt. It returns the message's failed attempts, its last error and whether it is a crash suspect:
 // an attempt before this one never ended (the process crashed, or another instance is processing
@@ -45,7 +53,7 @@ const noConsumerWideRow = `($3::text = '' OR NOT EXISTS (
 const countAttemptSQL = `
 INSERT INTO {schema}.txbox_inbox_attempt AS a (consumer, dedup_key, handler, attempts, unfinished)
 SELECT $1, $2, $3, 0, 1
-FROM ` + bounds + `
+FROM ` + bounds + `, ` + asyncCommit + `
 WHERE NOT EXISTS (SELECT 1 FROM {schema}.txbox_inbox WHERE consumer = $1 AND dedup_key = $2 AND handler IN ($3, ''))
 ON CONFLICT (consumer, dedup_key, handler) DO UPDATE SET unfinished = a.unfinished + 1, last_at = now()
 RETURNING attempts, last_error, unfinished > 1 OR alone OR suspected > 0`
@@ -57,7 +65,8 @@ const confirmed = `(a.attempts + CASE WHEN a.alone THEN a.suspected ELSE 0 END)`
 // runAloneSQL starts a suspect's attempt, run while nothing else runs in its process, unless its
 // failed attempts reached the limit $6. It sets aside the unfinished attempts before this delivery's
 // own marker (the delivery itself no longer counts as unfinished: it runs alone now). It returns the
-// attempts, now including this one if it runs, the last error and whether it runs.
+// attempts, now including this one if it runs, the last error and whether it runs. It commits
+// synchronously: it is the only record that the message ran alone.
 const runAloneSQL = `
 UPDATE {schema}.txbox_inbox_attempt AS a
 SET attempts = ` + confirmed + ` + CASE WHEN ` + confirmed + ` < $6 THEN 1 ELSE 0 END,
@@ -83,7 +92,7 @@ SET unfinished = CASE WHEN $6 THEN unfinished ELSE greatest(unfinished - 1, 0) E
     suspected = CASE WHEN $6 AND NOT $7 THEN 0 ELSE suspected END,
     alone = alone AND NOT $6,
     last_error = coalesce(left($8::text, 4000), last_error)
-FROM ` + bounds + `
+FROM ` + bounds + `, ` + asyncCommit + `
 WHERE consumer = $1 AND dedup_key = $2 AND handler = $3`
 
 const deleteAttemptsSQL = `
@@ -91,11 +100,15 @@ DELETE FROM {schema}.txbox_inbox_attempt
 USING ` + bounds + `
 WHERE consumer = $1 AND dedup_key = $2 AND handler = $3`
 
-// insertInboxSQL also sets the bounds for the handler's transaction, which it opens.
+// insertInboxSQL also sets the bounds for the handler's transaction, which it opens, and deletes the
+// message's attempt counter: the transaction commits only if the handler succeeded, and then the
+// counter is settled. Deleting it here rather than after the handler saves a round trip.
 const insertInboxSQL = `
+WITH b AS MATERIALIZED (SELECT * FROM ` + bounds + `),
+cleared AS (DELETE FROM {schema}.txbox_inbox_attempt USING b WHERE consumer = $1 AND dedup_key = $2 AND handler = $3)
 INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, lease_shard, lease_token)
 SELECT $1, $2, $3, $6::text, $7::text, $8::integer, $9::bigint
-FROM ` + bounds + `
+FROM b
 WHERE ` + noConsumerWideRow + `
 ON CONFLICT (consumer, dedup_key, handler) DO NOTHING`
 
