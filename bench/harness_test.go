@@ -93,7 +93,9 @@ func (w logWriter) Write(p []byte) (int, error) {
 
 // newEnv is a migrated schema whose pool already holds all its connections: a relay's shards each
 // need one at once, and opening a PostgreSQL connection (a process fork) takes longer than
-// publishing a batch, so a cold pool would time connection set-up rather than the pipeline.
+// publishing a batch, so a cold pool would time connection set-up rather than the pipeline. A
+// single writer needs one connection: txtest.New, which leaves PostgreSQL's connection slots to
+// others (the benchmark may share a server with tests).
 func newEnv(b *testing.B) *txtest.Env {
 	env := txtest.New(b)
 	ctx := context.Background()
@@ -111,6 +113,42 @@ func newEnv(b *testing.B) *txtest.Env {
 	return env
 }
 
+// plainInsert is the outbox write's baseline: the same topic, partition key, UUID and payload in a
+// table shaped like an ordinary event table (identity key, creation time), one statement per
+// transaction: a single-row INSERT, or a multi-row VALUES list for several messages.
+func plainInsert(b *testing.B, env *txtest.Env, topic string) func(pgx.Tx, []*message.Message) error {
+	table := env.Q("bench_plain")
+	_, err := env.Pool.Exec(context.Background(), "CREATE TABLE "+table+` (
+		id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+		topic text NOT NULL, partition_key text NOT NULL, uuid text NOT NULL, payload bytea NOT NULL,
+		created_at timestamptz NOT NULL DEFAULT now())`)
+	if err != nil {
+		b.Fatal(err)
+	}
+	statements := map[int]string{}
+	return func(tx pgx.Tx, msgs []*message.Message) error {
+		sql, ok := statements[len(msgs)]
+		if !ok {
+			var sb strings.Builder
+			sb.WriteString("INSERT INTO " + table + " (topic, partition_key, uuid, payload) VALUES ")
+			for i := range msgs {
+				if i > 0 {
+					sb.WriteString(", ")
+				}
+				fmt.Fprintf(&sb, "($%d, $%d, $%d, $%d)", 4*i+1, 4*i+2, 4*i+3, 4*i+4)
+			}
+			sql = sb.String()
+			statements[len(msgs)] = sql
+		}
+		args := make([]any, 0, 4*len(msgs))
+		for _, m := range msgs {
+			args = append(args, topic, m.Metadata.Get(outbox.PartitionKeyMetadata), m.UUID, []byte(m.Payload))
+		}
+		_, err := tx.Exec(context.Background(), sql, args...)
+		return err
+	}
+}
+
 // --- txbox --------------------------------------------------------------------------------------
 
 type txboxOutbox struct {
@@ -118,8 +156,7 @@ type txboxOutbox struct {
 	writer *outbox.Writer
 }
 
-func newTxboxOutbox(b *testing.B) *txboxOutbox {
-	env := newEnv(b)
+func newTxboxOutbox(b *testing.B, env *txtest.Env) *txboxOutbox {
 	w, err := outbox.New(outbox.Config{Schema: env.Schema})
 	if err != nil {
 		b.Fatal(err)
@@ -195,8 +232,7 @@ type watermillOutbox struct {
 // forwarderTopic is the watermill-sql topic the forwarder reads its envelopes from.
 const forwarderTopic = "forwarder"
 
-func newWatermillOutbox(b *testing.B) *watermillOutbox {
-	env := newEnv(b)
+func newWatermillOutbox(b *testing.B, env *txtest.Env) *watermillOutbox {
 	o := &watermillOutbox{
 		env: env,
 		schema: wsql.DefaultPostgreSQLSchema{
