@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -358,6 +359,58 @@ func requireRecords(b *testing.B, topic string, n int) {
 	if total < int64(n) {
 		b.Fatalf("topic %s holds %d records, want at least %d", topic, total, n)
 	}
+}
+
+// idempotentProducer is the relay drain's baseline producer: sarama with the settings the relay's
+// sink forces (idempotent, acks=all, one request in flight per broker), without transactions.
+func idempotentProducer(b *testing.B) sarama.AsyncProducer {
+	c := sarama.NewConfig()
+	c.Version = sarama.V2_8_0_0
+	c.Metadata.Retry.Backoff = 100 * time.Millisecond
+	c.Producer.Idempotent = true
+	c.Producer.RequiredAcks = sarama.WaitForAll
+	c.Producer.Return.Successes = true
+	c.Producer.Retry.Max = 5
+	c.Net.MaxOpenRequests = 1
+	p, err := sarama.NewAsyncProducer(kafkatest.Brokers(b), c)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return p
+}
+
+// produce sends records and returns once Kafka acknowledged all of them.
+func produce(b *testing.B, p sarama.AsyncProducer, records []*sarama.ProducerMessage) {
+	b.Helper()
+	go func() {
+		for _, r := range records {
+			p.Input() <- r
+		}
+	}()
+	for range records {
+		select {
+		case <-p.Successes():
+		case err := <-p.Errors():
+			b.Fatal(err)
+		case <-time.After(drainTimeout):
+			b.Fatalf("timed out after %s waiting for Kafka to acknowledge", drainTimeout)
+		}
+	}
+}
+
+// idleCPU is the CPU time this process spends in window, in milliseconds per second.
+func idleCPU(b *testing.B, window time.Duration) float64 {
+	cpu := func() time.Duration {
+		var ru syscall.Rusage
+		if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+			b.Fatal(err)
+		}
+		return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	before, began := cpu(), time.Now()
+	time.Sleep(window)
+	used, took := cpu()-before, time.Since(began)
+	return float64(used) / float64(time.Millisecond) / took.Seconds()
 }
 
 // percentile of sorted durations, nearest rank.
