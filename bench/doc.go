@@ -28,8 +28,9 @@
 //   - InboxRouter: fresh messages through a Watermill router (in-memory pub/sub, one handler), the
 //     handler behind the inbox middleware against the bare handler.
 //   - Latency: commit → consumer receive at a steady 500 messages per second, p50 and p99, the relay
-//     with its defaults and the forwarder polling every 10ms; then the process's CPU time per second
-//     while the pipeline is idle. b.N counts messages.
+//     with its defaults and the forwarder polling every 10ms; then, per second while the pipeline
+//     is idle, the CPU time of this process and of the PostgreSQL backends answering its polls.
+//     b.N counts messages.
 //
 // scripts/bench runs them all and prints, with bench/cmd/benchtable, each figure issue 11 asks for
 // against its baseline and goal. Numbers depend on the machine, its load, PostgreSQL's fsync

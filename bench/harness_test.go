@@ -1,11 +1,15 @@
 package bench
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math"
+	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -398,19 +402,73 @@ func produce(b *testing.B, p sarama.AsyncProducer, records []*sarama.ProducerMes
 	}
 }
 
-// idleCPU is the CPU time this process spends in window, in milliseconds per second.
-func idleCPU(b *testing.B, window time.Duration) float64 {
-	cpu := func() time.Duration {
+// reportIdleCPU reports the CPU time spent during window, in milliseconds per second: by this
+// process (idle-cpu-ms/s) and by the PostgreSQL backends of env's pool (idle-db-cpu-ms/s), which
+// is where a poll's query runs. The second is left out where PostgreSQL's processes cannot be
+// read (a server on another machine).
+func reportIdleCPU(b *testing.B, env *txtest.Env, window time.Duration) {
+	self := func() time.Duration {
 		var ru syscall.Rusage
 		if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
 			b.Fatal(err)
 		}
 		return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 	}
-	before, began := cpu(), time.Now()
+	backends := poolBackends(env)
+	selfBefore, dbBefore, dbOK := self(), backendCPU(backends), len(backends) > 0
+	began := time.Now()
 	time.Sleep(window)
-	used, took := cpu()-before, time.Since(began)
-	return float64(used) / float64(time.Millisecond) / took.Seconds()
+	took := time.Since(began).Seconds()
+	perSecond := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) / took }
+	b.ReportMetric(perSecond(self()-selfBefore), "idle-cpu-ms/s")
+	if dbAfter := backendCPU(backends); dbOK && dbAfter >= 0 && dbBefore >= 0 {
+		b.ReportMetric(perSecond(dbAfter-dbBefore), "idle-db-cpu-ms/s")
+	}
+}
+
+// poolBackends are the process ids of the PostgreSQL backends behind env's pool, which the
+// pipeline uses alone. newEnv opened them all and the pool keeps them, so taking whichever are
+// idle, a few times over, finds each one.
+func poolBackends(env *txtest.Env) []int {
+	ctx := context.Background()
+	seen := map[int]bool{}
+	for deadline := time.Now().Add(time.Second); len(seen) < int(env.Pool.Stat().TotalConns()) && time.Now().Before(deadline); {
+		for _, c := range env.Pool.AcquireAllIdle(ctx) {
+			seen[int(c.Conn().PgConn().PID())] = true
+			c.Release()
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return slices.Collect(maps.Keys(seen))
+}
+
+// clockTicks is Linux's USER_HZ, the unit of /proc/<pid>/stat's CPU times, on every architecture
+// Go supports.
+const clockTicks = 100
+
+// backendCPU is the CPU time the processes pids have used, from /proc; -1 if one cannot be read.
+func backendCPU(pids []int) time.Duration {
+	var total time.Duration
+	for _, pid := range pids {
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return -1
+		}
+		// The command name, in parentheses, may hold spaces; utime and stime are the 12th and
+		// 13th fields after it.
+		fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+		if len(fields) < 13 {
+			return -1
+		}
+		for _, f := range fields[11:13] {
+			ticks, err := strconv.ParseInt(f, 10, 64)
+			if err != nil {
+				return -1
+			}
+			total += time.Duration(ticks) * time.Second / clockTicks
+		}
+	}
+	return total
 }
 
 // percentile of sorted durations, nearest rank.
