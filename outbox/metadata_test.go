@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"encoding/json"
+	"hash/fnv"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -53,4 +54,20 @@ func TestTraceFieldsAreACarrier(t *testing.T) {
 	require.Equal(t, "c", f.Get("traceparent"), "Set replaces, as a map carrier's does")
 	require.Equal(t, "", f.Get("baggage"))
 	require.Equal(t, []string{"traceparent", "tracestate"}, f.Keys())
+}
+
+// Slots are part of the stored format: the written-out hash must stay hash/fnv's FNV-1a.
+func FuzzSlotOfIsFNV1a(f *testing.F) {
+	for _, s := range []string{"", "order-1", "ünïcødé", "\xff\x00", "a much longer partition key than most"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, key string) {
+		h := fnv.New32a()
+		h.Write([]byte(key))
+		want := int16(h.Sum32() % Slots)
+		require.Equal(t, want, SlotOf("", key), "a keyless message by its UUID")
+		if key != "" {
+			require.Equal(t, want, SlotOf(key, "another uuid"))
+		}
+	})
 }
