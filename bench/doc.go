@@ -1,31 +1,38 @@
-// Package bench measures txbox against the baseline a Watermill user has today, side by side in one
-// run: Watermill's own outbox (watermill-sql's PostgreSQL publisher plus components/forwarder) and
-// watermill-kafka's Publisher.
+// Package bench measures txbox against its baselines, side by side in one run: plain SQL for the
+// outbox write, a raw idempotent sarama producer and Watermill's own outbox (watermill-sql's
+// PostgreSQL publisher plus components/forwarder) for the relay, a bare handler for the inbox.
 //
-// It has no API; the benchmarks are in its test files and run only when asked for:
+// It has no API; the benchmarks are in its test files and run only when asked for. They report
+// numbers and never fail on one (no test anywhere holds a wall-clock threshold):
 //
-//	scripts/bench                                    # every benchmark, summarised as a table
+//	scripts/bench                                    # issue 11's figures and every result, as tables
 //	go test -run '^$' -bench RelayDrain -benchtime 20000x ./bench/
 //
 // What is measured, each against a real PostgreSQL (pgtest's server) and Kafka (kfake in process,
-// or TXBOX_KAFKA_BROKERS):
+// or TXBOX_KAFKA_BROKERS), messages of 200 bytes:
 //
-//   - OutboxPublish: one client writing messages of 200 bytes into the outbox, 1, 10 or 100 per
-//     committed transaction. b.N counts messages.
-//   - RelayDrain: the time to move a backlog of b.N committed messages from PostgreSQL to Kafka.
-//     Each run starts its relay (default settings: 16 shards, batches of 500) or forwarder on a full
-//     outbox, so their start-up is counted; the connection pool is opened beforehand, because
-//     connecting to PostgreSQL is a one-off cost that would otherwise dominate small backlogs.
-//   - InboxDedup: one handler goroutine processing b.N messages through the inbox middleware, fresh
-//     and duplicate, against the same handler in a plain transaction without deduplication.
-//   - InboxRouter: b.N fresh messages through a Watermill router (a gochannel subscriber, whose
-//     messages the router handles concurrently, bounded by the pool's connections), the handler
-//     writing one business row, behind the inbox against the same handler without it, writing the
-//     row in a transaction of its own.
-//   - Latency: commit → consumer receive at a steady 200 messages per second, p50 and p99, with
-//     both pipelines polling every 10ms. b.N counts messages.
+//   - OutboxPublish: one client writing messages, 1, 10 or 100 per committed transaction, through
+//     outbox.Writer (txbox), a plain INSERT of the same topic, key, UUID and payload into an
+//     ordinary table (plain-insert, multi-row for several messages: the baseline) and Watermill's
+//     outbox publisher. The writers take turns in one benchmark so they meet the same load; each
+//     reports <writer>-msgs/s over b.N messages.
+//   - RelayDrain: the time to move a backlog of b.N committed messages from PostgreSQL to Kafka,
+//     counting from the start of the relay (default settings: 16 shards, batches of 500) or
+//     forwarder on a full outbox, so their start-up is counted; the connection pool is opened
+//     beforehand, because connecting to PostgreSQL is a one-off cost that would otherwise dominate
+//     small backlogs.
+//   - RelayDrainWarm: the same, timed from when the first tenth has arrived: the steady rate, against
+//     a raw idempotent sarama producer sending the same records straight to Kafka.
+//   - InboxDedup: one handler goroutine processing b.N messages through the inbox middleware called
+//     directly, fresh and duplicate, against the same handler in a plain transaction.
+//   - InboxRouter: fresh messages through a Watermill router (in-memory pub/sub, one handler), the
+//     handler behind the inbox middleware against the bare handler.
+//   - Latency: commit → consumer receive at a steady 500 messages per second, p50 and p99, the relay
+//     with its defaults and the forwarder polling every 10ms; then, per second while the pipeline
+//     is idle, the CPU time of this process and of the PostgreSQL backends answering its polls.
+//     b.N counts messages.
 //
-// The first variant of each benchmark is its baseline; scripts/bench reports the others relative to
-// it. Numbers depend on the machine, on PostgreSQL's fsync settings and on Kafka; compare variants
-// of one run, not runs on different machines.
+// scripts/bench runs them all and prints, with bench/cmd/benchtable, each figure issue 11 asks for
+// against its baseline and goal. Numbers depend on the machine, its load, PostgreSQL's fsync
+// settings and Kafka; compare figures of one run, not runs on different machines (BENCHMARKS.md).
 package bench

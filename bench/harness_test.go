@@ -1,13 +1,18 @@
 package bench
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math"
+	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -93,7 +98,9 @@ func (w logWriter) Write(p []byte) (int, error) {
 
 // newEnv is a migrated schema whose pool already holds all its connections: a relay's shards each
 // need one at once, and opening a PostgreSQL connection (a process fork) takes longer than
-// publishing a batch, so a cold pool would time connection set-up rather than the pipeline.
+// publishing a batch, so a cold pool would time connection set-up rather than the pipeline. A
+// single writer needs one connection: txtest.New, which leaves PostgreSQL's connection slots to
+// others (the benchmark may share a server with tests).
 func newEnv(b *testing.B) *txtest.Env {
 	env := txtest.New(b)
 	ctx := context.Background()
@@ -111,6 +118,42 @@ func newEnv(b *testing.B) *txtest.Env {
 	return env
 }
 
+// plainInsert is the outbox write's baseline: the same topic, partition key, UUID and payload in a
+// table shaped like an ordinary event table (identity key, creation time), one statement per
+// transaction: a single-row INSERT, or a multi-row VALUES list for several messages.
+func plainInsert(b *testing.B, env *txtest.Env, topic string) func(pgx.Tx, []*message.Message) error {
+	table := env.Q("bench_plain")
+	_, err := env.Pool.Exec(context.Background(), "CREATE TABLE "+table+` (
+		id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+		topic text NOT NULL, partition_key text NOT NULL, uuid text NOT NULL, payload bytea NOT NULL,
+		created_at timestamptz NOT NULL DEFAULT now())`)
+	if err != nil {
+		b.Fatal(err)
+	}
+	statements := map[int]string{}
+	return func(tx pgx.Tx, msgs []*message.Message) error {
+		sql, ok := statements[len(msgs)]
+		if !ok {
+			var sb strings.Builder
+			sb.WriteString("INSERT INTO " + table + " (topic, partition_key, uuid, payload) VALUES ")
+			for i := range msgs {
+				if i > 0 {
+					sb.WriteString(", ")
+				}
+				fmt.Fprintf(&sb, "($%d, $%d, $%d, $%d)", 4*i+1, 4*i+2, 4*i+3, 4*i+4)
+			}
+			sql = sb.String()
+			statements[len(msgs)] = sql
+		}
+		args := make([]any, 0, 4*len(msgs))
+		for _, m := range msgs {
+			args = append(args, topic, m.Metadata.Get(outbox.PartitionKeyMetadata), m.UUID, []byte(m.Payload))
+		}
+		_, err := tx.Exec(context.Background(), sql, args...)
+		return err
+	}
+}
+
 // --- txbox --------------------------------------------------------------------------------------
 
 type txboxOutbox struct {
@@ -118,8 +161,7 @@ type txboxOutbox struct {
 	writer *outbox.Writer
 }
 
-func newTxboxOutbox(b *testing.B) *txboxOutbox {
-	env := newEnv(b)
+func newTxboxOutbox(b *testing.B, env *txtest.Env) *txboxOutbox {
 	w, err := outbox.New(outbox.Config{Schema: env.Schema})
 	if err != nil {
 		b.Fatal(err)
@@ -195,8 +237,7 @@ type watermillOutbox struct {
 // forwarderTopic is the watermill-sql topic the forwarder reads its envelopes from.
 const forwarderTopic = "forwarder"
 
-func newWatermillOutbox(b *testing.B) *watermillOutbox {
-	env := newEnv(b)
+func newWatermillOutbox(b *testing.B, env *txtest.Env) *watermillOutbox {
 	o := &watermillOutbox{
 		env: env,
 		schema: wsql.DefaultPostgreSQLSchema{
@@ -322,6 +363,112 @@ func requireRecords(b *testing.B, topic string, n int) {
 	if total < int64(n) {
 		b.Fatalf("topic %s holds %d records, want at least %d", topic, total, n)
 	}
+}
+
+// idempotentProducer is the relay drain's baseline producer: sarama with the settings the relay's
+// sink forces (idempotent, acks=all, one request in flight per broker), without transactions.
+func idempotentProducer(b *testing.B) sarama.AsyncProducer {
+	c := sarama.NewConfig()
+	c.Version = sarama.V2_8_0_0
+	c.Metadata.Retry.Backoff = 100 * time.Millisecond
+	c.Producer.Idempotent = true
+	c.Producer.RequiredAcks = sarama.WaitForAll
+	c.Producer.Return.Successes = true
+	c.Producer.Retry.Max = 5
+	c.Net.MaxOpenRequests = 1
+	p, err := sarama.NewAsyncProducer(kafkatest.Brokers(b), c)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return p
+}
+
+// produce sends records and returns once Kafka acknowledged all of them.
+func produce(b *testing.B, p sarama.AsyncProducer, records []*sarama.ProducerMessage) {
+	b.Helper()
+	go func() {
+		for _, r := range records {
+			p.Input() <- r
+		}
+	}()
+	for range records {
+		select {
+		case <-p.Successes():
+		case err := <-p.Errors():
+			b.Fatal(err)
+		case <-time.After(drainTimeout):
+			b.Fatalf("timed out after %s waiting for Kafka to acknowledge", drainTimeout)
+		}
+	}
+}
+
+// reportIdleCPU reports the CPU time spent during window, in milliseconds per second: by this
+// process (idle-cpu-ms/s) and by the PostgreSQL backends of env's pool (idle-db-cpu-ms/s), which
+// is where a poll's query runs. The second is left out where PostgreSQL's processes cannot be
+// read (a server on another machine).
+func reportIdleCPU(b *testing.B, env *txtest.Env, window time.Duration) {
+	self := func() time.Duration {
+		var ru syscall.Rusage
+		if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+			b.Fatal(err)
+		}
+		return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	backends := poolBackends(env)
+	selfBefore, dbBefore, dbOK := self(), backendCPU(backends), len(backends) > 0
+	began := time.Now()
+	time.Sleep(window)
+	took := time.Since(began).Seconds()
+	perSecond := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) / took }
+	b.ReportMetric(perSecond(self()-selfBefore), "idle-cpu-ms/s")
+	if dbAfter := backendCPU(backends); dbOK && dbAfter >= 0 && dbBefore >= 0 {
+		b.ReportMetric(perSecond(dbAfter-dbBefore), "idle-db-cpu-ms/s")
+	}
+}
+
+// poolBackends are the process ids of the PostgreSQL backends behind env's pool, which the
+// pipeline uses alone. newEnv opened them all and the pool keeps them, so taking whichever are
+// idle, a few times over, finds each one.
+func poolBackends(env *txtest.Env) []int {
+	ctx := context.Background()
+	seen := map[int]bool{}
+	for deadline := time.Now().Add(time.Second); len(seen) < int(env.Pool.Stat().TotalConns()) && time.Now().Before(deadline); {
+		for _, c := range env.Pool.AcquireAllIdle(ctx) {
+			seen[int(c.Conn().PgConn().PID())] = true
+			c.Release()
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return slices.Collect(maps.Keys(seen))
+}
+
+// clockTicks is Linux's USER_HZ, the unit of /proc/<pid>/stat's CPU times, on every architecture
+// Go supports.
+const clockTicks = 100
+
+// backendCPU is the CPU time the processes pids have used, from /proc; -1 if one cannot be read.
+func backendCPU(pids []int) time.Duration {
+	var total time.Duration
+	for _, pid := range pids {
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return -1
+		}
+		// The command name, in parentheses, may hold spaces; utime and stime are the 12th and
+		// 13th fields after it.
+		fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+		if len(fields) < 13 {
+			return -1
+		}
+		for _, f := range fields[11:13] {
+			ticks, err := strconv.ParseInt(f, 10, 64)
+			if err != nil {
+				return -1
+			}
+			total += time.Duration(ticks) * time.Second / clockTicks
+		}
+	}
+	return total
 }
 
 // percentile of sorted durations, nearest rank.

@@ -14,8 +14,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/propagation"
 )
 
 // MaxIdempotencyKeyLength is the longest idempotency key Stripe accepts, and so the longest a Call
@@ -157,22 +155,14 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 		return "", fmt.Errorf("%w: %s: request of %d bytes is over the %d-byte limit", ErrInvalidCall, key, len(payload), w.maxPayloadBytes)
 	}
 
-	md := make(message.Metadata, len(c.Metadata)+1)
-	for k, v := range c.Metadata {
-		md[k] = v
-	}
-	otel.GetTextMapPropagator().Inject(ctx, propagation.MapCarrier(md))
-	meta, err := json.Marshal(md)
-	if err != nil {
-		return "", fmt.Errorf("outbox: encode metadata of call %s: %w", key, err)
-	}
+	meta := appendMetadata(nil, c.Metadata, traceFieldsOf(ctx))
 
 	partitionKey := c.PartitionKey
 	if partitionKey == "" {
 		partitionKey = key
 	}
 	id := CallUUID(key)
-	_, err = tx.Exec(ctx, w.insertCall, c.ReplyTopic, SlotOf(partitionKey, id), partitionKey, id, payload, string(meta), key)
+	_, err = tx.Exec(ctx, w.insertCall, c.ReplyTopic, SlotOf(partitionKey, id), partitionKey, id, payload, meta, key)
 	if err != nil {
 		return "", fmt.Errorf("outbox: insert call %s: %w", key, err)
 	}

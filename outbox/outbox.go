@@ -2,15 +2,11 @@ package outbox
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"hash/fnv"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
-	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/txbox/txbox/internal/pgtext"
 	"github.com/txbox/txbox/internal/sqlname"
@@ -59,6 +55,7 @@ type Config struct {
 
 // Writer writes messages into the outbox. It is safe for concurrent use.
 type Writer struct {
+	insertMessage   string
 	insertMessages  string
 	insertCall      string
 	maxPayloadBytes int
@@ -77,6 +74,7 @@ func New(cfg Config) (*Writer, error) {
 		cfg.MaxPayloadBytes = DefaultMaxPayloadBytes
 	}
 	return &Writer{
+		insertMessage:   sqlname.Render(insertMessageSQL, schema),
 		insertMessages:  sqlname.Render(insertMessagesSQL, schema),
 		insertCall:      sqlname.Render(insertCallSQL, schema),
 		maxPayloadBytes: cfg.MaxPayloadBytes,
@@ -103,39 +101,62 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 	if err := checkText(ErrInvalidMessage, "topic", topic); err != nil {
 		return err
 	}
+	for _, msg := range msgs {
+		if err := w.validate(msg); err != nil {
+			return err
+		}
+	}
+	trace := traceFieldsOf(ctx)
+	if len(msgs) == 1 {
+		// Most transactions write one message: a plain single-row INSERT, no arrays to encode and
+		// unpack.
+		msg := msgs[0]
+		key := msg.Metadata.Get(PartitionKeyMetadata)
+		meta := appendMetadata(make([]byte, 0, metadataSizeHint), msg.Metadata, trace)
+		if _, err := tx.Exec(ctx, w.insertMessage, topic, SlotOf(key, msg.UUID), key, msg.UUID, payloadOf(msg), meta); err != nil {
+			return fmt.Errorf("outbox: insert 1 message for %q: %w", topic, err)
+		}
+		return nil
+	}
 	var (
 		slots    = make([]int16, len(msgs))
 		keys     = make([]string, len(msgs))
 		uuids    = make([]string, len(msgs))
 		payloads = make([][]byte, len(msgs))
-		metas    = make([]string, len(msgs))
+		metas    = make([][]byte, len(msgs))
+		ends     = make([]int, len(msgs))
+		buf      = make([]byte, 0, len(msgs)*metadataSizeHint)
 	)
 	for i, msg := range msgs {
-		if err := w.validate(msg); err != nil {
-			return err
-		}
-		md := make(message.Metadata, len(msg.Metadata)+1)
-		for k, v := range msg.Metadata {
-			md[k] = v
-		}
-		otel.GetTextMapPropagator().Inject(ctx, propagation.MapCarrier(md))
-		meta, err := json.Marshal(md)
-		if err != nil {
-			return fmt.Errorf("outbox: encode metadata of %s: %w", msg.UUID, err)
-		}
 		keys[i] = msg.Metadata.Get(PartitionKeyMetadata)
 		slots[i] = SlotOf(keys[i], msg.UUID)
 		uuids[i] = msg.UUID
-		payloads[i] = msg.Payload
-		if payloads[i] == nil {
-			payloads[i] = []byte{} // An empty payload is valid; NULL is not.
-		}
-		metas[i] = string(meta)
+		payloads[i] = payloadOf(msg)
+		// All metadata goes into one buffer; it is sliced once complete, as appends move it.
+		buf = appendMetadata(buf, msg.Metadata, trace)
+		ends[i] = len(buf)
+	}
+	start := 0
+	for i, end := range ends {
+		metas[i] = buf[start:end:end]
+		start = end
 	}
 	if _, err := tx.Exec(ctx, w.insertMessages, topic, slots, keys, uuids, payloads, metas); err != nil {
 		return fmt.Errorf("outbox: insert %d message(s) for %q: %w", len(msgs), topic, err)
 	}
 	return nil
+}
+
+// metadataSizeHint is room for a partition key and a trace context, so most messages' metadata
+// is encoded without growing the buffer.
+const metadataSizeHint = 128
+
+// payloadOf is msg's payload as stored: an empty payload is valid, NULL is not.
+func payloadOf(msg *message.Message) []byte {
+	if msg.Payload == nil {
+		return []byte{}
+	}
+	return msg.Payload
 }
 
 func (w *Writer) validate(msg *message.Message) error {
@@ -187,13 +208,18 @@ func checkMetadata(invalid error, what string, md map[string]string) error {
 
 // SlotOf returns the slot of a partition key; messages without a key are spread by their UUID.
 func SlotOf(partitionKey, uuid string) int16 {
-	h := fnv.New32a()
-	if partitionKey != "" {
-		h.Write([]byte(partitionKey))
-	} else {
-		h.Write([]byte(uuid))
+	s := partitionKey
+	if s == "" {
+		s = uuid
 	}
-	return int16(h.Sum32() % Slots)
+	// 32-bit FNV-1a, as hash/fnv's New32a computes it, written out: through hash.Hash32 the hash
+	// and the key's bytes would be allocated for every message.
+	h := uint32(2166136261)
+	for i := 0; i < len(s); i++ {
+		h ^= uint32(s[i])
+		h *= 16777619
+	}
+	return int16(h % Slots)
 }
 
 // Publisher returns a Watermill message.Publisher that writes into tx, for code written against

@@ -106,6 +106,53 @@ func TestPublishStoresTheTraceContext(t *testing.T) {
 	require.Equal(t, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", got[0].metadata["traceparent"])
 }
 
+// Each message's metadata lands on its own row, whole, through both statements Publish uses (one
+// message, several), and the trace context replaces a caller's key of the same name.
+func TestPublishStoresEachMessagesMetadata(t *testing.T) {
+	t.Parallel()
+	env := txtest.New(t)
+	w, err := outbox.New(outbox.Config{Schema: env.Schema})
+	require.NoError(t, err)
+	traceID, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+	spanID, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
+	ctx := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: traceID, SpanID: spanID, TraceFlags: trace.FlagsSampled,
+	}))
+	withPropagator(t, propagation.TraceContext{})
+	const traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+	var msgs []*message.Message
+	for i, md := range []message.Metadata{
+		{},
+		{"customer": `c-"9"\`, "note": "tab\tnewline\n ünïcødé 😀 <&>"},
+		{outbox.PartitionKeyMetadata: "order-1", "traceparent": "stale"},
+	} {
+		msg := message.NewMessage(fmt.Sprint("m-", i), nil)
+		for k, v := range md {
+			msg.Metadata.Set(k, v)
+		}
+		msgs = append(msgs, msg)
+	}
+	require.NoError(t, w.Publish(ctx, env.Pool, "one-call", msgs...))
+	for _, msg := range msgs {
+		require.NoError(t, w.Publish(ctx, env.Pool, "one-each", msg))
+	}
+
+	got := rows(t, env)
+	require.Len(t, got, 2*len(msgs))
+	for i, r := range got {
+		msg := msgs[i%len(msgs)]
+		require.Equal(t, msg.UUID, r.uuid)
+		want := map[string]string{"traceparent": traceparent}
+		for k, v := range msg.Metadata {
+			if k != "traceparent" {
+				want[k] = v
+			}
+		}
+		require.Equal(t, want, r.metadata, "row %d (%s)", i, r.topic)
+	}
+}
+
 func TestInvalidMessagesAreRefusedWholesale(t *testing.T) {
 	t.Parallel()
 	env := txtest.New(t)
