@@ -281,3 +281,28 @@ func TestTableSizesSumTheGenerations(t *testing.T) {
 	require.Equal(t, parts, sizes[1].TotalBytes)
 	require.Greater(t, sizes[1].TotalBytes, int64(2*8192), "both generations count")
 }
+
+// A redriven message's row that comes due in a generation not dropped yet moves to the current
+// one too: kept where it is, with its receipt time moved forward, it would keep its whole
+// generation alive for another InboxRetention.
+func TestARedrivenRowDoesNotKeepItsGenerationAlive(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	tb.inbox(t, "billing", "redriven", "done", 1, 10*day)
+	tb.inbox(t, "billing", "young", "done", 1, day)
+	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_redrive")+` (message_uuid, topic, redriven_at) VALUES ('redriven-1', 'orders', now() - interval '1 day')`)
+
+	rep, err := tb.cleaner(t, rotating).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Empty(t, rep.GenerationsDropped)
+	require.Equal(t, int64(1), rep.RedrivenKept)
+	require.Equal(t, []string{"redriven-1"}, tb.keys(t, "txbox_inbox", "generation = 1"))
+	require.Equal(t, []string{"young-1"}, tb.keys(t, "txbox_inbox", "generation = 0"))
+
+	tb.exec(t, `UPDATE `+tb.env.Q("txbox_inbox")+` SET received_at = now() - interval '9 days' WHERE dedup_key = 'young-1'`)
+	rep, err = tb.cleaner(t, retention.Config{}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, []int64{0}, rep.GenerationsDropped)
+	require.Equal(t, []string{"redriven-1"}, tb.keys(t, "txbox_inbox", "true"))
+}

@@ -154,28 +154,37 @@ WHERE i.generation = $1 AND r.redriven_at >= $2
 ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 
 // Rows past the cutoff in a generation that is not dropped yet (rows from before the inbox had
-// generations, rows a move kept) are deleted in batches. Each delete takes one batch: it picks at most $2 rows by ctid, skipping rows another session has
-// locked, and deletes them in one short statement. The conditions are repeated outside the
-// subquery: should a row change between the two, PostgreSQL rechecks them on its newest version.
+// generations, rows a move kept) are deleted in batches. Each delete takes one batch: it picks at
+// most $2 rows by ctid, skipping rows another session has locked, and deletes them in one short
+// statement. The conditions are repeated outside the subquery: should a row change between the
+// two, PostgreSQL rechecks them on its newest version. In the partitioned inbox a ctid names a
+// row in each generation: the conditions make every row it names one that is due too.
 
-// keepRedrivenSQL moves the receipt time of inbox rows received before the cutoff $1 forward to
-// the redrive of their message, when that came after the cutoff: the redriven copy can still be
-// delivered, so every consumer that has a row for the message must keep it (package doc). It
-// touches only rows that are due, so each pass reads what it is about to delete anyway; an
-// inbox partitioned by receipt time would have the rows moved out of a partition before it is
-// dropped.
+// keepRedrivenSQL moves inbox rows received before the cutoff $1 to the current generation, with
+// their receipt time moved forward to the redrive of their message, when that came after the
+// cutoff: the redriven copy can still be delivered, so every consumer that has a row for the
+// message must keep it (package doc). It touches only rows that are due, so each pass reads what
+// it is about to delete anyway. Updating the row where it is would keep its whole generation
+// from being dropped for InboxRetention more; rows of a generation that is dropped are moved out
+// of it before (moveRedrivenSQL).
 const keepRedrivenSQL = `
-UPDATE {schema}.txbox_inbox AS i
-SET received_at = r.redriven_at
-FROM {schema}.txbox_redrive AS r
-WHERE i.ctid = ANY(ARRAY(
-        SELECT i.ctid FROM {schema}.txbox_inbox AS i
-        JOIN {schema}.txbox_redrive AS r ON r.message_uuid = i.message_uuid AND r.topic = i.topic
-        WHERE i.received_at < $1 AND r.redriven_at >= $1
-        LIMIT $2
-        FOR UPDATE OF i SKIP LOCKED))
-  AND r.message_uuid = i.message_uuid AND r.topic = i.topic
-  AND i.received_at < $1 AND r.redriven_at >= $1`
+WITH due AS (
+    DELETE FROM {schema}.txbox_inbox AS i
+    USING {schema}.txbox_redrive AS r
+    WHERE i.ctid = ANY(ARRAY(
+            SELECT i.ctid FROM {schema}.txbox_inbox AS i
+            JOIN {schema}.txbox_redrive AS r ON r.message_uuid = i.message_uuid AND r.topic = i.topic
+            WHERE i.received_at < $1 AND r.redriven_at >= $1
+            LIMIT $2
+            FOR UPDATE OF i SKIP LOCKED))
+      AND r.message_uuid = i.message_uuid AND r.topic = i.topic
+      AND i.received_at < $1 AND r.redriven_at >= $1
+    RETURNING i.consumer, i.dedup_key, i.handler, i.message_uuid, i.topic, i.state, i.lease_shard, i.lease_token, r.redriven_at
+)
+INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, state, lease_shard, lease_token, received_at, generation)
+SELECT d.consumer, d.dedup_key, d.handler, d.message_uuid, d.topic, d.state, d.lease_shard, d.lease_token, d.redriven_at, g.generation
+FROM due AS d CROSS JOIN {schema}.txbox_inbox_generation AS g
+ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 
 // deleteRedrivesSQL forgets redrives older than the cutoff $1: no inbox row needs them any more.
 const deleteRedrivesSQL = `
