@@ -118,26 +118,39 @@ func TestScale(t *testing.T) {
 	tb.exec(t, `UPDATE `+tb.env.Q("txbox_inbox")+` SET received_at = now() - interval '20 days' WHERE received_at > now() - interval '1 hour'`)
 	var before int64
 	require.NoError(t, tb.env.Pool.QueryRow(ctx, `SELECT count(*) FROM `+tb.env.Q("txbox_inbox")).Scan(&before))
-	start := time.Now()
-	rep, err = tb.cleaner(t, rotating).RunOnce(ctx)
-	require.NoError(t, err)
-	took := time.Since(start)
+	// wal measures the write-ahead log a pass writes (the whole cluster's, so other activity adds).
+	wal := func(pass func()) (time.Duration, int64) {
+		var lsn string
+		require.NoError(t, tb.env.Pool.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&lsn))
+		start := time.Now()
+		pass()
+		took := time.Since(start)
+		var bytes int64
+		require.NoError(t, tb.env.Pool.QueryRow(ctx, `SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::pg_lsn)::bigint`, lsn).Scan(&bytes))
+		return took, bytes
+	}
+	took, walBytes := wal(func() {
+		rep, err = tb.cleaner(t, rotating).RunOnce(ctx)
+		require.NoError(t, err)
+	})
 	require.Len(t, rep.GenerationsDropped, 16, "all but the young generation and the current one")
 	require.Zero(t, rep.DoneDeleted)
 	require.NotContains(t, tb.partitions(t), "txbox_inbox_g0")
 	var after int64
 	require.NoError(t, tb.env.Pool.QueryRow(ctx, `SELECT count(*) FROM `+tb.env.Q("txbox_inbox")).Scan(&after))
 	require.Equal(t, int64(perGeneration), after, "the young generation stays")
-	t.Logf("rotation and drop of %d generations (%d rows): %s", len(rep.GenerationsDropped), before-after, took.Round(time.Millisecond))
+	t.Logf("rotation and drop of %d generations (%d rows): %s, %d KiB of WAL",
+		len(rep.GenerationsDropped), before-after, took.Round(time.Millisecond), walBytes>>10)
 	rates("after the drop", "g15-")
 
 	// For comparison, the same pass deleting rows one by one (rows older than their generation).
 	n := maxRows / 4
 	load("straggler-", n, 20*day)
-	start = time.Now()
-	rep, err = tb.cleaner(t, retention.Config{BatchSize: 10000}).RunOnce(ctx)
-	require.NoError(t, err)
-	took = time.Since(start)
+	took, walBytes = wal(func() {
+		rep, err = tb.cleaner(t, retention.Config{BatchSize: 10000}).RunOnce(ctx)
+		require.NoError(t, err)
+	})
 	require.Equal(t, int64(n), rep.DoneDeleted)
-	t.Logf("deleting %d rows one by one, in batches of 10000: %s", n, took.Round(time.Millisecond))
+	t.Logf("deleting %d rows one by one, in batches of 10000: %s, %d KiB of WAL, and as many dead rows for VACUUM",
+		n, took.Round(time.Millisecond), walBytes>>10)
 }
