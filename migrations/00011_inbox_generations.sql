@@ -40,7 +40,9 @@ ALTER TABLE txbox_inbox ADD COLUMN IF NOT EXISTS generation bigint NOT NULL DEFA
 ALTER TABLE txbox_inbox RENAME TO txbox_inbox_g0;
 ALTER INDEX txbox_inbox_received_at RENAME TO txbox_inbox_g0_received_at;
 CREATE UNIQUE INDEX IF NOT EXISTS txbox_inbox_g0_pkey ON txbox_inbox_g0 (consumer, dedup_key, handler, generation);
-ALTER TABLE txbox_inbox_g0 DROP CONSTRAINT txbox_inbox_pkey;
+-- The parent's primary key takes over a partition's index only if it backs a constraint too.
+ALTER TABLE txbox_inbox_g0 DROP CONSTRAINT txbox_inbox_pkey,
+    ADD CONSTRAINT txbox_inbox_g0_pkey PRIMARY KEY USING INDEX txbox_inbox_g0_pkey;
 -- +goose StatementBegin
 DO $$
 BEGIN

@@ -230,6 +230,11 @@ func TestInboxGenerationsKeepTheRows(t *testing.T) {
 	}
 	require.NoError(t, rows.Err())
 	require.Equal(t, []string{"txbox.txbox_inbox_g0:2"}, parts)
+	var indexes string
+	require.NoError(t, db.QueryRow(`SELECT string_agg(indexrelid::regclass::text, ',' ORDER BY indexrelid::regclass::text) FROM pg_index
+		WHERE indrelid = 'txbox.txbox_inbox_g0'::regclass`).Scan(&indexes))
+	require.Equal(t, "txbox.txbox_inbox_g0_pkey,txbox.txbox_inbox_g0_received_at", indexes,
+		"generation 0's indexes are the prepared ones, and the only unique one is the primary key's")
 	_, err = db.Exec(`INSERT INTO txbox.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic) VALUES ('billing', 'k1', '', 'u1', 'orders')`)
 	require.ErrorContains(t, err, "duplicate key", "the primary key holds in generation 0")
 
