@@ -203,6 +203,7 @@ func TestAFrozenDeliveryDefersTheRotationAndHoldsUpNoOther(t *testing.T) {
 	require.True(t, res.rep.RotationDeferred)
 	require.False(t, res.rep.Rotated)
 	require.Equal(t, int64(0), res.rep.Generation)
+	require.Contains(t, tb.log.String(), "deliveries in flight held it back")
 	t.Logf("the other delivery was seen queued behind the rotation: %v", queued.Load())
 
 	select {

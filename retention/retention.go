@@ -425,6 +425,8 @@ func (c *Cleaner) inBatches(ctx context.Context, sql string, cutoff time.Time, c
 
 func (c *Cleaner) log(rep Report, err error) {
 	attrs := []any{
+		"generation", rep.Generation, "rotated", rep.Rotated, "generations_dropped", rep.GenerationsDropped,
+		"generation_rows_moved", rep.GenerationRowsMoved,
 		"redriven_kept", rep.RedrivenKept, "done_deleted", rep.DoneDeleted, "dead_deleted", rep.DeadDeleted,
 		"attempts_deleted", rep.AttemptsDeleted, "redrives_deleted", rep.RedrivesDeleted,
 		"call_results_deleted", rep.CallResultsDeleted,
@@ -438,6 +440,10 @@ func (c *Cleaner) log(rep Report, err error) {
 		return
 	}
 	c.cfg.Logger.Info("retention pass", attrs...)
+	if rep.RotationDeferred {
+		c.cfg.Logger.Warn("a new inbox generation was due, but deliveries in flight held it back past GenerationLockTimeout; the next pass tries again",
+			"generation", rep.Generation, "generation_lock_timeout", c.cfg.GenerationLockTimeout)
+	}
 	if rep.OldestLetterAge > c.cfg.InboxRetention {
 		c.cfg.Logger.Warn("the oldest inbox letter in the DLQ keeps processed inbox rows beyond InboxRetention; redrive or discard it",
 			"oldest_letter_age", rep.OldestLetterAge.Round(time.Second), "inbox_retention", c.cfg.InboxRetention)
