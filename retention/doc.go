@@ -75,6 +75,12 @@
 // InboxRetention (more storage), against one more index probe per delivery for every generation
 // alive. The default, a day, keeps 16 to 17 generations at the default InboxRetention of 15 days.
 //
+// DETACH PARTITION CONCURRENTLY blocks no delivery, but, like CREATE INDEX CONCURRENTLY, it waits
+// for every transaction of the database older than it to end: a long report, a pg_dump, a consumer
+// frozen in its handler (at most inbox.Config.IdleInTransactionTimeout) delay the pass. A pass
+// stopped meanwhile (its context, a statement_timeout) leaves the generation pending detach, and
+// the next pass finishes it.
+//
 // While a move runs, a redrive skips the letters it moves (it locks them FOR KEY SHARE, and a
 // redrive takes letters SKIP LOCKED): they stay in the DLQ for the next redrive. Several Cleaners
 // may run; should two drop one generation at once, one of them fails, and its next pass finishes
