@@ -14,8 +14,20 @@
 // committed row, so two consumer instances never both run the handler for one message. The wait is
 // bounded by Config.LockTimeout, and a consumer frozen in its handler holds the row for at most
 // Config.IdleInTransactionTimeout: PostgreSQL then ends its session, so its late commit fails and
-// the message is processed once, by another delivery. Both are set in the statement that inserts
-// the inbox row, at no extra round trip.
+// the message is processed once, by another delivery. Both are set in the first statement of the
+// transaction, at no extra round trip.
+//
+// # Generations
+//
+// The inbox table is partitioned by generation, so that retention drops old rows a generation at a
+// time instead of deleting them one by one (package retention). The row goes into the current
+// generation, whose primary key catches a racing delivery as above; the insert also looks for the
+// message in every older generation alive, one index probe each. Each inbox transaction first
+// holds an advisory lock shared, in the same round trip as the insert: retention takes it
+// exclusively to switch generations, so a delivery never inserts into the new generation while
+// one of the same message is uncommitted in the old (internal/inboxgen). That switch makes new
+// deliveries wait at most retention's Config.GenerationLockTimeout, and a delivery that waits
+// longer than LockTimeout fails transiently, like any lock wait.
 //
 // # Scope
 //

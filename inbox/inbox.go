@@ -453,7 +453,7 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	tag, err := tx.Exec(ctx, ib.sql.insertInbox, ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token)...)
+	tag, err := ib.insertRow(ctx, tx, ib.sql.insertInbox, ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token))
 	if err != nil {
 		return false, false, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
 	}
@@ -489,6 +489,22 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 	return true, false, nil
 }
 
+// insertRow runs insert, the statement that inserts the message's inbox row, as the first of tx,
+// after the generation lock (lockGenerationSQL), in one round trip: each is a statement of its own,
+// so the insert's snapshot is taken once the lock is held.
+func (ib *Inbox) insertRow(ctx context.Context, tx pgx.Tx, insert string, args []any) (pgconn.CommandTag, error) {
+	batch := &pgx.Batch{}
+	batch.Queue(ib.sql.lockGeneration, ib.bounds[0], ib.bounds[1])
+	batch.Queue(insert, args...)
+	results := tx.SendBatch(ctx, batch)
+	_, err := results.Exec()
+	var tag pgconn.CommandTag
+	if err == nil {
+		tag, err = results.Exec()
+	}
+	return tag, errors.Join(err, results.Close())
+}
+
 // kill moves msg to the dead-letter table and marks it dead in the inbox, in one transaction, so a
 // redelivery is skipped. A nil return acknowledges the message. sc.key is empty when the message
 // has no usable dedup key.
@@ -503,7 +519,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // A no-op after Commit.
 
-	tag, err := tx.Exec(ctx, ib.sql.insertDead, ib.args(sc, uuid, message.SubscribeTopicFromCtx(ctx))...)
+	tag, err := ib.insertRow(ctx, tx, ib.sql.insertDead, ib.args(sc, uuid, message.SubscribeTopicFromCtx(ctx)))
 	if err != nil {
 		return fmt.Errorf("inbox: mark %s dead: %w", sc.key, err)
 	}

@@ -305,10 +305,17 @@ func TestCallsOfTwoHandlersGetTheirOwnKeys(t *testing.T) {
 	require.Equal(t, 1, r.count(t, "txbox_outbox", "kind = 'call' AND idempotency_key = $1", key("email")))
 }
 
-// countingTracer counts the statements a pool sends for messages: begin and commit included, each
-// a round trip. The dedup counts' background write, one per StatsInterval and not part of any
-// message's path, is not counted.
+// countingTracer counts the round trips a pool makes for messages: each statement, begin and
+// commit included, and each batch of statements. The dedup counts' background write, one per
+// StatsInterval and not part of any message's path, is not counted.
 type countingTracer struct{ n atomic.Int64 }
+
+func (c *countingTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+func (*countingTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (*countingTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
 func (c *countingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	if !strings.Contains(d.SQL, "txbox_dedup_stats") {
@@ -369,7 +376,8 @@ func TestHonouringConsumerWideRowsCostsNoRoundTrip(t *testing.T) {
 
 	require.Equal(t, freshOutside, freshInRouter, "statements for a fresh message")
 	require.Equal(t, dupOutside, dupInRouter, "statements for a duplicate")
-	// Mark the attempt; begin, insert the inbox row (clearing the counter), commit. A duplicate: the mark.
+	// Mark the attempt; begin, take the generation lock and insert the inbox row (clearing the
+	// counter) in one batch, commit. A duplicate: the mark.
 	require.Equal(t, int64(4), freshInRouter)
 	require.Equal(t, int64(1), dupInRouter)
 }

@@ -1,9 +1,12 @@
 package inbox
 
-import "github.com/txbox/txbox/internal/sqlname"
+import (
+	"github.com/txbox/txbox/internal/inboxgen"
+	"github.com/txbox/txbox/internal/sqlname"
+)
 
 type queries struct {
-	countAttempt, runAlone, endAttempt, deleteAttempts, insertInbox, insertDead, flushStats string
+	countAttempt, runAlone, endAttempt, deleteAttempts, lockGeneration, insertInbox, insertDead, flushStats string
 }
 
 func renderQueries(schema string) queries {
@@ -12,19 +15,20 @@ func renderQueries(schema string) queries {
 		runAlone:       sqlname.Render(runAloneSQL, schema),
 		endAttempt:     sqlname.Render(endAttemptSQL, schema),
 		deleteAttempts: sqlname.Render(deleteAttemptsSQL, schema),
+		lockGeneration: sqlname.Render(lockGenerationSQL, schema),
 		insertInbox:    sqlname.Render(insertInboxSQL, schema),
 		insertDead:     sqlname.Render(insertDeadSQL, schema),
 		flushStats:     sqlname.Render(flushStatsSQL, schema),
 	}
 }
 
-// Every statement names a message's scope as $1 consumer, $2 dedup key, $3 handler, and takes the
-// bounds $4 and $5; its own parameters start at $6.
+// Every statement but lockGenerationSQL names a message's scope as $1 consumer, $2 dedup key, $3
+// handler, and takes the bounds $4 and $5; its own parameters start at $6.
 //
 // A row with handler '' was written outside a router, or before deduplication was per handler
 // (migration 00002): it settles the message for every handler of the consumer. Handler comes last
-// in the primary key, so looking for both rows reads one range of the same index, in the same
-// statement: honouring old rows costs no round trip.
+// in the primary key but for the generation, so looking for both rows reads one range of each
+// generation's index, in the same statement: honouring old rows costs no round trip.
 
 // bounds sets lock_timeout ($4) and idle_in_transaction_session_timeout ($5), in milliseconds, for
 // the rest of the statement's transaction (a statement outside one is its own). Every statement
@@ -32,10 +36,11 @@ func renderQueries(schema string) queries {
 // place before the wait and cost no round trip of their own.
 const bounds = `(SELECT set_config('lock_timeout', $4, true), set_config('idle_in_transaction_session_timeout', $5, true)) AS bounds`
 
-// noConsumerWideRow is true unless a consumer-wide row (one with an empty handler) settled the
-// message.
-const noConsumerWideRow = `($3::text = '' OR NOT EXISTS (
-    SELECT 1 FROM {schema}.txbox_inbox WHERE consumer = $1 AND dedup_key = $2 AND handler = ''))`
+// notSettled is true unless a row of the message's handler, or a consumer-wide one (an empty
+// handler), exists in any generation of the inbox: the primary key is per generation
+// (migrations/00011_inbox_generations.sql), so it catches only what the current one holds.
+const notSettled = `NOT EXISTS (
+    SELECT 1 FROM {schema}.txbox_inbox WHERE consumer = $1 AND dedup_key = $2 AND handler IN ($3, ''))`
 
 // asyncCommit lets the statement's transaction commit without waiting for its WAL to reach the disk.
 // It is for the attempt counter's own transactions, whose commit would otherwise cost as much as the
@@ -100,24 +105,34 @@ DELETE FROM {schema}.txbox_inbox_attempt
 USING ` + bounds + `
 WHERE consumer = $1 AND dedup_key = $2 AND handler = $3`
 
-// insertInboxSQL also sets the bounds for the handler's transaction, which it opens, and deletes the
-// message's attempt counter: the transaction commits only if the handler succeeded, and then the
-// counter is settled. Deleting it here rather than after the handler saves a round trip.
+// lockGenerationSQL holds the generation lock shared until the transaction ends (internal/inboxgen);
+// it is the statement before every inbox row's insert, in the same round trip. It waits only while
+// retention switches the generation, at most retention's lock timeout, so it sets the bounds
+// ($1 lock_timeout, $2 idle_in_transaction_session_timeout, as bounds does) for itself and the
+// rest of the transaction.
+const lockGenerationSQL = `
+SELECT pg_advisory_xact_lock_shared(` + inboxgen.LockKey + `)
+FROM (SELECT set_config('lock_timeout', $1, true), set_config('idle_in_transaction_session_timeout', $2, true)) AS bounds`
+
+// insertInboxSQL also deletes the message's attempt counter: the transaction commits only if the
+// handler succeeded, and then the counter is settled. Deleting it here rather than after the
+// handler saves a round trip. A row goes into the current generation; ON CONFLICT waits for a
+// concurrent delivery's row there, and notSettled finds committed rows in older ones.
 const insertInboxSQL = `
 WITH b AS MATERIALIZED (SELECT * FROM ` + bounds + `),
 cleared AS (DELETE FROM {schema}.txbox_inbox_attempt USING b WHERE consumer = $1 AND dedup_key = $2 AND handler = $3)
-INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, lease_shard, lease_token)
-SELECT $1, $2, $3, $6::text, $7::text, $8::integer, $9::bigint
-FROM b
-WHERE ` + noConsumerWideRow + `
-ON CONFLICT (consumer, dedup_key, handler) DO NOTHING`
+INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, lease_shard, lease_token, generation)
+SELECT $1, $2, $3, $6::text, $7::text, $8::integer, $9::bigint, g.generation
+FROM b, {schema}.txbox_inbox_generation AS g
+WHERE ` + notSettled + `
+ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 
 const insertDeadSQL = `
-INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, state)
-SELECT $1, $2, $3, $6::text, $7::text, 'dead'
-FROM ` + bounds + `
-WHERE ` + noConsumerWideRow + `
-ON CONFLICT (consumer, dedup_key, handler) DO NOTHING`
+INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, state, generation)
+SELECT $1, $2, $3, $6::text, $7::text, 'dead', g.generation
+FROM ` + bounds + `, {schema}.txbox_inbox_generation AS g
+WHERE ` + notSettled + `
+ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 
 // flushStatsSQL adds consumer $1's dedup counts (handlers $2, checks $3, hits $4) to the current
 // minute's buckets, by the database clock, and deletes buckets older than a week: the index on

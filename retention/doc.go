@@ -1,6 +1,7 @@
 // Package retention deletes the rows txbox no longer needs: processed inbox rows, dead inbox rows
-// whose letter was discarded, orphaned attempt counters and old call results. It deletes in small
-// batches, one short statement each, and reports the tables' sizes so bloat is visible.
+// whose letter was discarded, orphaned attempt counters and old call results. The inbox goes by
+// generations, dropped whole (see Generations); the rest goes in small batches, one short
+// statement each. It reports the tables' sizes so bloat is visible.
 //
 //	c, err := retention.New(retention.Config{
 //		DB:              pool,
@@ -39,8 +40,8 @@
 //     redriven after) forward to the redrive: each consumer remembers a redriven message for
 //     InboxRetention from the redrive (Report.RedrivenKept). Redrive records older than that are
 //     deleted. The rows are found when they come due rather than at the redrive, which would need
-//     an index by message UUID on every inbox insert; moving received_at also moves a row out of
-//     an old partition should the inbox ever be partitioned by it.
+//     an index by message UUID on every inbox insert; in a generation about to be dropped they
+//     are found by one scan of it, made only when a message was redriven within InboxRetention.
 //
 // 'dead' rows are never deleted while their letter is in the DLQ: they keep the broker's
 // redeliveries of that message from being processed while it waits for a person, and a redrive
@@ -49,9 +50,48 @@
 // InboxRetention. Call results are kept for Config.CallResultRetention, for audit and
 // reconciliation; nothing else reads them.
 //
+// # Generations
+//
+// The inbox is partitioned by generation (migrations/00011_inbox_generations.sql). Inboxes insert
+// into the current one; a pass makes a new one current once the current one is
+// Config.InboxGeneration old, and drops every older generation whose newest row is past the
+// 'done' cutoff: DETACH PARTITION CONCURRENTLY, then DROP TABLE. No row is deleted one by one,
+// and no VACUUM has to reclaim them. Before the drop, the rows that must stay move to the current
+// generation: 'dead' rows whose letter is in the DLQ, and the rows of messages redriven within
+// InboxRetention (with their receipt time moved forward to the redrive). A message redriven
+// after the pass read its cutoffs is not in a generation it drops: the letter was in the DLQ
+// then, and held the cutoff back from the consumers' rows of it (rule 2).
+//
+// The primary key is per generation, so a delivery looks for its message in every generation
+// alive (one index probe each; about InboxRetention/InboxGeneration+1 of them) and inserts into
+// the current one. Two deliveries of one message on either side of a switch could not see each
+// other's uncommitted rows, so each inbox transaction holds an advisory lock shared and the switch
+// takes it exclusively (internal/inboxgen): it waits for the deliveries in flight, and new ones
+// wait behind it. Config.GenerationLockTimeout bounds both waits: a consumer frozen in its
+// handler (holding its transaction open up to inbox.Config.IdleInTransactionTimeout) makes the
+// rotation give up and retry at the next pass, never the other deliveries wait for it.
+//
+// The trade-off is Config.InboxGeneration: rows stay up to one generation longer than
+// InboxRetention (more storage), against one more index probe per delivery for every generation
+// alive. The default, a day, keeps 16 to 17 generations at the default InboxRetention of 15 days.
+//
+// DETACH PARTITION CONCURRENTLY blocks no delivery, but, like CREATE INDEX CONCURRENTLY, it waits
+// for every transaction of the database older than it to end: a long report, a pg_dump, a consumer
+// frozen in its handler (at most inbox.Config.IdleInTransactionTimeout) delay the pass. A pass
+// stopped meanwhile (its context, a statement_timeout) leaves the generation pending detach, and
+// the next pass finishes it.
+//
+// While a move runs, a redrive skips the letters it moves (it locks them FOR KEY SHARE, and a
+// redrive takes letters SKIP LOCKED): they stay in the DLQ for the next redrive. Several Cleaners
+// may run; should two drop one generation at once, one of them fails, and its next pass finishes
+// what is left (interrupted detaches, detached tables).
+//
 // # Batches
 //
-// Each batch picks at most Config.BatchSize rows by ctid, skipping rows another session has
+// Rows past the cutoff in a generation that is not dropped yet are deleted in batches: the rows of
+// generation 0 (the inbox from before it had generations) while it still holds younger ones, and
+// rows a move kept whose reason went (a letter discarded since). Each batch picks at most
+// Config.BatchSize rows by ctid, skipping rows another session has
 // locked, and deletes them in one statement, so no lock lasts longer than one batch and VACUUM can
 // reclaim space while the pass goes on. The inbox is read through its received_at index; the
 // attempt and call result tables have no index on their timestamps, so each of their batches scans

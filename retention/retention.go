@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -21,14 +22,20 @@ const (
 	MinCallResultRetention = 24 * time.Hour
 	DefaultBatchSize       = 1000
 	DefaultInterval        = time.Hour
+	DefaultInboxGeneration = 24 * time.Hour
+	// DefaultGenerationLockTimeout is below inbox.DefaultLockTimeout: a delivery that waits behind a
+	// rotation waits less than it is prepared to wait for a lock.
+	DefaultGenerationLockTimeout = time.Second
 )
 
 // tables are the tables whose sizes are reported, in this order.
 var tables = []string{"txbox_outbox", "txbox_inbox", "txbox_inbox_attempt", "txbox_dlq", "txbox_redrive", "txbox_call_result"}
 
 // DB is what the Cleaner needs from PostgreSQL; *pgxpool.Pool satisfies it. Each batch is one
-// statement, so a pool (not a transaction) is what keeps the locks short.
+// statement, so a pool (not a transaction) is what keeps the locks short; a rotation is one
+// transaction.
 type DB interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
 	Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
@@ -55,6 +62,21 @@ type Config struct {
 	// reconciliation. If not specified, defaults to DefaultCallResultRetention (30 days); at least
 	// MinCallResultRetention (24h).
 	CallResultRetention time.Duration
+	// InboxGeneration is how long the inbox inserts into one generation before a pass starts a
+	// new one. A generation is dropped whole once its newest row is past the cutoff, so the inbox
+	// keeps a row up to InboxGeneration longer than InboxRetention (InboxGeneration/InboxRetention
+	// more storage), and a delivery looks for its message in each of the about
+	// InboxRetention/InboxGeneration+1 generations alive (one index probe each). A pass rotates at
+	// most once, so the generation's time is rounded up to a multiple of Interval. If not
+	// specified, defaults to DefaultInboxGeneration (1 day).
+	InboxGeneration time.Duration
+	// GenerationLockTimeout bounds how long a rotation waits for the deliveries in flight to end:
+	// meanwhile new deliveries wait behind it, so it is the longest pause a rotation causes. A
+	// rotation that times out (a consumer frozen in its handler holds its transaction open up to
+	// inbox.Config.IdleInTransactionTimeout) is retried by the next pass. Keep it below the
+	// consumers' inbox.Config.LockTimeout. If not specified, defaults to
+	// DefaultGenerationLockTimeout (1s).
+	GenerationLockTimeout time.Duration
 	// BatchSize is the most rows one DELETE removes. If not specified, defaults to
 	// DefaultBatchSize (1000).
 	BatchSize int
@@ -70,6 +92,7 @@ type Config struct {
 type Cleaner struct {
 	cfg    Config
 	schema string // the plain name, for the catalog
+	quoted string // the quoted name, for the DDL of generations
 	sql    queries
 }
 
@@ -91,6 +114,7 @@ func New(cfg Config) (*Cleaner, error) {
 	}{
 		{"BrokerRetention", cfg.BrokerRetention}, {"InboxRetention", cfg.InboxRetention},
 		{"CallResultRetention", cfg.CallResultRetention}, {"Interval", cfg.Interval},
+		{"InboxGeneration", cfg.InboxGeneration}, {"GenerationLockTimeout", cfg.GenerationLockTimeout},
 	} {
 		if d.v < 0 {
 			return nil, fmt.Errorf("retention: Config.%s must not be negative, got %s", d.name, d.v)
@@ -123,16 +147,37 @@ func New(cfg Config) (*Cleaner, error) {
 	if cfg.Interval == 0 {
 		cfg.Interval = DefaultInterval
 	}
+	if cfg.InboxGeneration == 0 {
+		cfg.InboxGeneration = DefaultInboxGeneration
+	}
+	if cfg.GenerationLockTimeout == 0 {
+		cfg.GenerationLockTimeout = DefaultGenerationLockTimeout
+	}
+	if cfg.GenerationLockTimeout < time.Millisecond {
+		return nil, fmt.Errorf("retention: Config.GenerationLockTimeout must be at least 1ms, got %s", cfg.GenerationLockTimeout)
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Cleaner{cfg: cfg, schema: cfg.Schema, sql: renderQueries(quoted)}, nil
+	return &Cleaner{cfg: cfg, schema: cfg.Schema, quoted: quoted, sql: renderQueries(quoted)}, nil
 }
 
 // Report tells what one pass deleted and how large the tables are afterwards.
 type Report struct {
+	// Generation is the inbox's current generation after the pass; Rotated says the pass made it
+	// current. RotationDeferred says a rotation was due but timed out waiting for the deliveries in
+	// flight (Config.GenerationLockTimeout); the next pass tries again.
+	Generation       int64
+	Rotated          bool
+	RotationDeferred bool
+	// GenerationsDropped lists the inbox generations the pass dropped, whole, and
+	// GenerationRowsMoved counts the rows of them that had to stay, moved to the current
+	// generation first: 'dead' rows whose letter is in the DLQ and rows of redriven messages.
+	GenerationsDropped  []int64
+	GenerationRowsMoved int64
 	// RedrivenKept counts the inbox rows that were due but kept, because their message was
-	// redriven since: their receipt time moved forward to the redrive.
+	// redriven since: their receipt time moved forward to the redrive. Like DoneDeleted and
+	// DeadDeleted, it counts only rows past the cutoff in generations that are not dropped yet.
 	RedrivenKept int64
 	// DoneDeleted, DeadDeleted, AttemptsDeleted, RedrivesDeleted and CallResultsDeleted count the
 	// rows deleted: processed inbox rows, dead inbox rows whose letter was discarded, orphaned
@@ -192,6 +237,11 @@ func (c *Cleaner) RunOnce(ctx context.Context) (Report, error) {
 		rep.OldestLetterAge = now.Sub(*oldest)
 	}
 
+	if err = c.rotate(ctx, &rep); err != nil {
+		err = fmt.Errorf("retention: start an inbox generation: %w", err)
+	} else if err = c.dropGenerations(ctx, &rep, deadCutoff); err != nil {
+		err = fmt.Errorf("retention: drop inbox generations: %w", err)
+	}
 	for _, step := range []struct {
 		what   string
 		sql    string
@@ -205,6 +255,9 @@ func (c *Cleaner) RunOnce(ctx context.Context) (Report, error) {
 		{"delete redrive records", c.sql.deleteRedrives, deadCutoff, &rep.RedrivesDeleted},
 		{"delete call results", c.sql.deleteCallResults, callCutoff, &rep.CallResultsDeleted},
 	} {
+		if err != nil {
+			break
+		}
 		if err = c.inBatches(ctx, step.sql, step.cutoff, step.count); err != nil {
 			err = fmt.Errorf("retention: %s: %w", step.what, err)
 			break
@@ -217,6 +270,139 @@ func (c *Cleaner) RunOnce(ctx context.Context) (Report, error) {
 	rep.Duration = time.Since(start)
 	c.log(rep, err)
 	return rep, err
+}
+
+// rotate makes a new generation of the inbox current when the current one is due
+// (Config.InboxGeneration): it makes and attaches the new partition, then switches once no
+// delivery inserts into the old one (internal/inboxgen), all in one transaction, so a rotation
+// that times out leaves nothing behind.
+func (c *Cleaner) rotate(ctx context.Context, rep *Report) error {
+	tx, err := c.cfg.DB.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("begin: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // A no-op after Commit.
+	var due bool
+	lockTimeout := strconv.FormatInt(c.cfg.GenerationLockTimeout.Milliseconds(), 10)
+	err = tx.QueryRow(ctx, c.sql.lockGenerationRow, c.cfg.InboxGeneration.Microseconds(), lockTimeout).Scan(&rep.Generation, &due)
+	if err != nil || !due {
+		return c.deferred(rep, err)
+	}
+	next := rep.Generation + 1
+	for _, stmt := range append(newGenerationDDL(c.quoted, c.generationTable(next), next), c.sql.lockGenerations) {
+		if _, err := tx.Exec(ctx, stmt); err != nil {
+			return c.deferred(rep, err)
+		}
+	}
+	if _, err := tx.Exec(ctx, c.sql.newGeneration, next); err != nil {
+		return err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return err
+	}
+	rep.Generation, rep.Rotated = next, true
+	return nil
+}
+
+// deferred returns err, or notes a rotation deferred when err is a lock timeout.
+func (c *Cleaner) deferred(rep *Report, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
+		rep.RotationDeferred = true
+		return nil
+	}
+	return err
+}
+
+func (c *Cleaner) generationTable(generation int64) string {
+	return c.quoted + "." + pgx.Identifier{generationPrefix + strconv.FormatInt(generation, 10)}.Sanitize()
+}
+
+// dropGenerations drops every generation older than the current one whose newest row is past the
+// 'done' cutoff, once the rows that must stay moved out of it (moveDeadSQL, moveRedrivenSQL). It
+// detaches a generation CONCURRENTLY: that waits for the transactions that may still read it
+// without blocking any other, where a plain DROP would lock the whole inbox while it waits. It
+// first finishes the detaches and drops an interrupted pass left.
+func (c *Cleaner) dropGenerations(ctx context.Context, rep *Report, deadCutoff time.Time) error {
+	pending, err := c.names(ctx, c.sql.pendingDetaches)
+	if err != nil {
+		return fmt.Errorf("list interrupted detaches: %w", err)
+	}
+	for _, name := range pending {
+		if _, err := c.cfg.DB.Exec(ctx, finalizeDetachDDL(c.quoted, c.quoted+"."+pgx.Identifier{name}.Sanitize())); err != nil {
+			return fmt.Errorf("finish the detach of %s: %w", name, err)
+		}
+	}
+	detached, err := c.names(ctx, c.sql.detachedTables)
+	if err != nil {
+		return fmt.Errorf("list detached generations: %w", err)
+	}
+	for _, name := range detached {
+		if _, err := c.cfg.DB.Exec(ctx, dropDDL(c.quoted+"."+pgx.Identifier{name}.Sanitize())); err != nil {
+			return fmt.Errorf("drop %s: %w", name, err)
+		}
+	}
+
+	rows, err := c.cfg.DB.Query(ctx, c.sql.generations)
+	if err != nil {
+		return fmt.Errorf("list generations: %w", err)
+	}
+	var current int64
+	generations, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (int64, error) {
+		var g int64
+		return g, r.Scan(&g, &current)
+	})
+	if err != nil {
+		return fmt.Errorf("list generations: %w", err)
+	}
+	var redrives bool
+	if err := c.cfg.DB.QueryRow(ctx, c.sql.recentRedrives, deadCutoff).Scan(&redrives); err != nil {
+		return fmt.Errorf("look for recent redrives: %w", err)
+	}
+	for _, g := range generations {
+		if g >= current {
+			continue
+		}
+		var newest *time.Time
+		if err := c.cfg.DB.QueryRow(ctx, c.sql.newestInGeneration, g).Scan(&newest); err != nil {
+			return fmt.Errorf("read the newest row of generation %d: %w", g, err)
+		}
+		if newest != nil && !newest.Before(rep.DoneCutoff) {
+			continue
+		}
+		if err := c.move(ctx, rep, c.sql.moveDead, g); err != nil {
+			return fmt.Errorf("move the dead rows of generation %d: %w", g, err)
+		}
+		if redrives {
+			if err := c.move(ctx, rep, c.sql.moveRedriven, g, deadCutoff); err != nil {
+				return fmt.Errorf("move the redriven rows of generation %d: %w", g, err)
+			}
+		}
+		table := c.generationTable(g)
+		if _, err := c.cfg.DB.Exec(ctx, detachDDL(c.quoted, table)); err != nil {
+			return fmt.Errorf("detach generation %d: %w", g, err)
+		}
+		if _, err := c.cfg.DB.Exec(ctx, dropDDL(table)); err != nil {
+			return fmt.Errorf("drop generation %d: %w", g, err)
+		}
+		rep.GenerationsDropped = append(rep.GenerationsDropped, g)
+	}
+	return nil
+}
+
+func (c *Cleaner) move(ctx context.Context, rep *Report, sql string, args ...any) error {
+	tag, err := c.cfg.DB.Exec(ctx, sql, args...)
+	rep.GenerationRowsMoved += tag.RowsAffected()
+	return err
+}
+
+// names runs a catalog query that returns relation names.
+func (c *Cleaner) names(ctx context.Context, sql string) ([]string, error) {
+	rows, err := c.cfg.DB.Query(ctx, sql)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[string])
 }
 
 // inBatches runs a batch statement until a batch comes back short. Each batch is its own
@@ -239,6 +425,8 @@ func (c *Cleaner) inBatches(ctx context.Context, sql string, cutoff time.Time, c
 
 func (c *Cleaner) log(rep Report, err error) {
 	attrs := []any{
+		"generation", rep.Generation, "rotated", rep.Rotated, "generations_dropped", rep.GenerationsDropped,
+		"generation_rows_moved", rep.GenerationRowsMoved,
 		"redriven_kept", rep.RedrivenKept, "done_deleted", rep.DoneDeleted, "dead_deleted", rep.DeadDeleted,
 		"attempts_deleted", rep.AttemptsDeleted, "redrives_deleted", rep.RedrivesDeleted,
 		"call_results_deleted", rep.CallResultsDeleted,
@@ -252,6 +440,10 @@ func (c *Cleaner) log(rep Report, err error) {
 		return
 	}
 	c.cfg.Logger.Info("retention pass", attrs...)
+	if rep.RotationDeferred {
+		c.cfg.Logger.Warn("a new inbox generation was due, but deliveries in flight held it back past GenerationLockTimeout; the next pass tries again",
+			"generation", rep.Generation, "generation_lock_timeout", c.cfg.GenerationLockTimeout)
+	}
 	if rep.OldestLetterAge > c.cfg.InboxRetention {
 		c.cfg.Logger.Warn("the oldest inbox letter in the DLQ keeps processed inbox rows beyond InboxRetention; redrive or discard it",
 			"oldest_letter_age", rep.OldestLetterAge.Round(time.Second), "inbox_retention", c.cfg.InboxRetention)

@@ -129,6 +129,9 @@ func TestConfigValidation(t *testing.T) {
 		{"negative", retention.Config{DB: env.Pool, BrokerRetention: day, CallResultRetention: -day}, "Config.CallResultRetention must not be negative"},
 		{"shorter than the provider's key lifetime", retention.Config{DB: env.Pool, BrokerRetention: day, CallResultRetention: 12 * time.Hour}, "Config.CallResultRetention must be at least 24h0m0s"},
 		{"negative batch", retention.Config{DB: env.Pool, BrokerRetention: day, BatchSize: -1}, "Config.BatchSize must not be negative"},
+		{"negative generation", retention.Config{DB: env.Pool, BrokerRetention: day, InboxGeneration: -day}, "Config.InboxGeneration must not be negative"},
+		{"generation lock timeout below PostgreSQL's unit", retention.Config{DB: env.Pool, BrokerRetention: day, GenerationLockTimeout: time.Microsecond},
+			"Config.GenerationLockTimeout must be at least 1ms"},
 		{"bad schema", retention.Config{DB: env.Pool, BrokerRetention: day, Schema: "Robert'); DROP"}, "Config.Schema"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -1,21 +1,39 @@
 package retention
 
-import "github.com/txbox/txbox/internal/sqlname"
+import (
+	"strconv"
+
+	"github.com/txbox/txbox/internal/inboxgen"
+	"github.com/txbox/txbox/internal/sqlname"
+)
 
 type queries struct {
 	cutoffs, keepRedriven, deleteDone, deleteDead, deleteAttempts, deleteRedrives, deleteCallResults string
+
+	lockGenerationRow, lockGenerations, newGeneration, generations, pendingDetaches, detachedTables,
+	newestInGeneration, recentRedrives, moveDead, moveRedriven string
 }
 
 func renderQueries(schema string) queries {
 	r := func(s string) string { return sqlname.Render(s, schema) }
 	return queries{
-		cutoffs:           r(cutoffsSQL),
-		keepRedriven:      r(keepRedrivenSQL),
-		deleteRedrives:    r(deleteRedrivesSQL),
-		deleteDone:        r(deleteDoneSQL),
-		deleteDead:        r(deleteDeadSQL),
-		deleteAttempts:    r(deleteAttemptsSQL),
-		deleteCallResults: r(deleteCallResultsSQL),
+		lockGenerationRow:  r(lockGenerationRowSQL),
+		lockGenerations:    r(lockGenerationsSQL),
+		newGeneration:      r(newGenerationSQL),
+		generations:        r(generationsSQL),
+		pendingDetaches:    r(pendingDetachesSQL),
+		detachedTables:     r(detachedTablesSQL),
+		newestInGeneration: r(newestInGenerationSQL),
+		recentRedrives:     r(recentRedrivesSQL),
+		moveDead:           r(moveDeadSQL),
+		moveRedriven:       r(moveRedrivenSQL),
+		cutoffs:            r(cutoffsSQL),
+		keepRedriven:       r(keepRedrivenSQL),
+		deleteRedrives:     r(deleteRedrivesSQL),
+		deleteDone:         r(deleteDoneSQL),
+		deleteDead:         r(deleteDeadSQL),
+		deleteAttempts:     r(deleteAttemptsSQL),
+		deleteCallResults:  r(deleteCallResultsSQL),
 	}
 }
 
@@ -31,28 +49,142 @@ SELECT now(),
        d.oldest
 FROM (SELECT min(first_failed_at) AS oldest FROM {schema}.txbox_dlq WHERE source = 'inbox') AS d`
 
-// Each delete takes one batch: it picks at most $2 rows by ctid, skipping rows another session has
-// locked, and deletes them in one short statement. The conditions are repeated outside the
-// subquery: should a row change between the two, PostgreSQL rechecks them on its newest version.
+// Inbox generations (migrations/00011_inbox_generations.sql, the package documentation).
+// Partitions are named generationPrefix and their generation, and made and dropped by statements
+// built in Go around the quoted schema: DDL takes no parameters.
+const generationPrefix = "txbox_inbox_g"
 
-// keepRedrivenSQL moves the receipt time of inbox rows received before the cutoff $1 forward to
-// the redrive of their message, when that came after the cutoff: the redriven copy can still be
-// delivered, so every consumer that has a row for the message must keep it (package doc). It
-// touches only rows that are due, so each pass reads what it is about to delete anyway; an
-// inbox partitioned by receipt time would have the rows moved out of a partition before it is
-// dropped.
+// newGenerationDDL makes generation's partition and attaches it. ATTACH locks the inbox only in SHARE
+// UPDATE EXCLUSIVE mode, which deliveries' inserts do not conflict with (CREATE TABLE ... PARTITION
+// OF would lock it exclusively); the partition is empty, so proving its constraint reads nothing.
+func newGenerationDDL(schema, table string, generation int64) []string {
+	return []string{
+		`CREATE TABLE ` + table + ` (LIKE ` + schema + `.txbox_inbox INCLUDING CONSTRAINTS)`,
+		`ALTER TABLE ` + schema + `.txbox_inbox ATTACH PARTITION ` + table + ` FOR VALUES IN (` + strconv.FormatInt(generation, 10) + `)`,
+	}
+}
+
+func detachDDL(schema, table string) string {
+	return `ALTER TABLE ` + schema + `.txbox_inbox DETACH PARTITION ` + table + ` CONCURRENTLY`
+}
+
+func finalizeDetachDDL(schema, table string) string {
+	return `ALTER TABLE ` + schema + `.txbox_inbox DETACH PARTITION ` + table + ` FINALIZE`
+}
+
+func dropDDL(table string) string { return `DROP TABLE ` + table }
+
+// lockGenerationRowSQL locks the control row for a rotation, so Cleaners rotate one at a time, sets
+// lock_timeout ($2, in milliseconds) for the rest of the transaction and says whether the current
+// generation is due: it became current at least $1 microseconds ago.
+const lockGenerationRowSQL = `
+SELECT g.generation, g.started_at <= now() - $1 * interval '1 microsecond'
+FROM {schema}.txbox_inbox_generation AS g, (SELECT set_config('lock_timeout', $2, true)) AS bounds
+FOR UPDATE OF g`
+
+// lockGenerationsSQL waits until no transaction inserts an inbox row any more, and keeps new ones
+// from starting until the rotation commits (internal/inboxgen); lock_timeout bounds both.
+const lockGenerationsSQL = `SELECT pg_advisory_xact_lock(` + inboxgen.LockKey + `)`
+
+const newGenerationSQL = `UPDATE {schema}.txbox_inbox_generation SET generation = $1, started_at = now()`
+
+// generationsSQL lists the generations attached to the inbox, oldest first, and the current one.
+const generationsSQL = `
+SELECT substr(c.relname, length('` + generationPrefix + `') + 1)::bigint AS generation, g.generation
+FROM pg_inherits AS i
+JOIN pg_class AS c ON c.oid = i.inhrelid
+CROSS JOIN {schema}.txbox_inbox_generation AS g
+WHERE i.inhparent = '{schema}.txbox_inbox'::regclass AND NOT i.inhdetachpending
+  AND c.relname ~ '^` + generationPrefix + `[0-9]+$'
+ORDER BY 1`
+
+// pendingDetachesSQL lists the generations whose concurrent detach was interrupted: retention
+// finishes it.
+const pendingDetachesSQL = `
+SELECT c.relname
+FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+WHERE i.inhparent = '{schema}.txbox_inbox'::regclass AND i.inhdetachpending`
+
+// detachedTablesSQL lists the generations detached but not yet dropped: a table of generations
+// is never anything else, since a rotation makes it and attaches it in one transaction.
+const detachedTablesSQL = `
+SELECT relname FROM pg_class
+WHERE relnamespace = '{schema}'::regnamespace AND relkind = 'r' AND NOT relispartition
+  AND relname ~ '^` + generationPrefix + `[0-9]+$'`
+
+// newestInGenerationSQL reads the receipt time of generation $1's newest row from its index; NULL
+// when it is empty.
+const newestInGenerationSQL = `SELECT max(received_at) FROM {schema}.txbox_inbox WHERE generation = $1`
+
+// recentRedrivesSQL says whether a message was redriven since the cutoff $1; without such a
+// redrive, no generation needs the scan that moveRedrivenSQL makes.
+const recentRedrivesSQL = `SELECT EXISTS (SELECT 1 FROM {schema}.txbox_redrive WHERE redriven_at >= $1)`
+
+// Before a generation ($1) is dropped, the rows that must stay move to the current generation; the
+// old row stays until the drop, and ON CONFLICT makes a repeated move (after a failed pass) a no-op.
+
+// moveDeadSQL moves the 'dead' rows whose letter is still in the DLQ, found from the letters by
+// the primary key. It locks the letters: a redrive that holds one first has deleted the row with
+// the letter when the move sees it again, and one that comes after the move deletes the moved row
+// too; a redrive skips a letter the move holds (dlq's SKIP LOCKED), and leaves it in the DLQ.
+const moveDeadSQL = `
+INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, state, lease_shard, lease_token, received_at, generation)
+SELECT i.consumer, i.dedup_key, i.handler, i.message_uuid, i.topic, i.state, i.lease_shard, i.lease_token, i.received_at, g.generation
+FROM {schema}.txbox_dlq AS d
+JOIN {schema}.txbox_inbox AS i
+  ON i.consumer = d.consumer AND i.dedup_key = d.dedup_key AND i.handler = d.handler AND i.generation = $1
+CROSS JOIN {schema}.txbox_inbox_generation AS g
+WHERE d.source = 'inbox' AND i.state = 'dead'
+FOR KEY SHARE OF d
+ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
+
+// moveRedrivenSQL moves the rows of messages redriven since the cutoff $2, with their receipt time
+// moved forward to the redrive, as keepRedrivenSQL does for a row it keeps. There is no index by
+// message UUID (see keepRedrivenSQL), so it scans the generation, once, and only when such a
+// redrive exists (recentRedrivesSQL). A message redriven after the pass read its cutoffs is not
+// in a generation the pass drops (the package documentation).
+const moveRedrivenSQL = `
+INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, state, lease_shard, lease_token, received_at, generation)
+SELECT i.consumer, i.dedup_key, i.handler, i.message_uuid, i.topic, i.state, i.lease_shard, i.lease_token,
+       greatest(i.received_at, r.redriven_at), g.generation
+FROM {schema}.txbox_inbox AS i
+JOIN {schema}.txbox_redrive AS r ON r.message_uuid = i.message_uuid AND r.topic = i.topic
+CROSS JOIN {schema}.txbox_inbox_generation AS g
+WHERE i.generation = $1 AND r.redriven_at >= $2
+ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
+
+// Rows past the cutoff in a generation that is not dropped yet (rows from before the inbox had
+// generations, rows a move kept) are deleted in batches. Each delete takes one batch: it picks at
+// most $2 rows by ctid, skipping rows another session has locked, and deletes them in one short
+// statement. The conditions are repeated outside the subquery: should a row change between the
+// two, PostgreSQL rechecks them on its newest version. In the partitioned inbox a ctid names a
+// row in each generation: the conditions make every row it names one that is due too.
+
+// keepRedrivenSQL moves inbox rows received before the cutoff $1 to the current generation, with
+// their receipt time moved forward to the redrive of their message, when that came after the
+// cutoff: the redriven copy can still be delivered, so every consumer that has a row for the
+// message must keep it (package doc). It touches only rows that are due, so each pass reads what
+// it is about to delete anyway. Updating the row where it is would keep its whole generation
+// from being dropped for InboxRetention more; rows of a generation that is dropped are moved out
+// of it before (moveRedrivenSQL).
 const keepRedrivenSQL = `
-UPDATE {schema}.txbox_inbox AS i
-SET received_at = r.redriven_at
-FROM {schema}.txbox_redrive AS r
-WHERE i.ctid = ANY(ARRAY(
-        SELECT i.ctid FROM {schema}.txbox_inbox AS i
-        JOIN {schema}.txbox_redrive AS r ON r.message_uuid = i.message_uuid AND r.topic = i.topic
-        WHERE i.received_at < $1 AND r.redriven_at >= $1
-        LIMIT $2
-        FOR UPDATE OF i SKIP LOCKED))
-  AND r.message_uuid = i.message_uuid AND r.topic = i.topic
-  AND i.received_at < $1 AND r.redriven_at >= $1`
+WITH due AS (
+    DELETE FROM {schema}.txbox_inbox AS i
+    USING {schema}.txbox_redrive AS r
+    WHERE i.ctid = ANY(ARRAY(
+            SELECT i.ctid FROM {schema}.txbox_inbox AS i
+            JOIN {schema}.txbox_redrive AS r ON r.message_uuid = i.message_uuid AND r.topic = i.topic
+            WHERE i.received_at < $1 AND r.redriven_at >= $1
+            LIMIT $2
+            FOR UPDATE OF i SKIP LOCKED))
+      AND r.message_uuid = i.message_uuid AND r.topic = i.topic
+      AND i.received_at < $1 AND r.redriven_at >= $1
+    RETURNING i.consumer, i.dedup_key, i.handler, i.message_uuid, i.topic, i.state, i.lease_shard, i.lease_token, r.redriven_at
+)
+INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, state, lease_shard, lease_token, received_at, generation)
+SELECT d.consumer, d.dedup_key, d.handler, d.message_uuid, d.topic, d.state, d.lease_shard, d.lease_token, d.redriven_at, g.generation
+FROM due AS d CROSS JOIN {schema}.txbox_inbox_generation AS g
+ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 
 // deleteRedrivesSQL forgets redrives older than the cutoff $1: no inbox row needs them any more.
 const deleteRedrivesSQL = `
@@ -117,13 +249,20 @@ WHERE ctid = ANY(ARRAY(
 // tableSizesSQL reads sizes from the catalog by the schema's plain name ($1), so it needs no
 // template. Row counts come from the statistics collector: estimates, but free, and n_dead_tup is
 // the bloat that VACUUM has yet to reclaim.
+//
+// A partitioned table (the inbox) has no storage of its own: its figures are the sums over its
+// partitions (pg_partition_tree lists nothing for a table that is not partitioned: it is its own).
 const tableSizesSQL = `
 SELECT t.name,
-       coalesce(pg_total_relation_size(c.oid), 0),
-       coalesce(s.n_live_tup, 0),
-       coalesce(s.n_dead_tup, 0)
+       coalesce(sum(pg_total_relation_size(p.relid)), 0)::bigint,
+       coalesce(sum(s.n_live_tup), 0)::bigint,
+       coalesce(sum(s.n_dead_tup), 0)::bigint
 FROM unnest($2::text[]) WITH ORDINALITY AS t(name, ord)
 JOIN pg_namespace AS n ON n.nspname = $1
 JOIN pg_class AS c ON c.relnamespace = n.oid AND c.relname = t.name
-LEFT JOIN pg_stat_all_tables AS s ON s.relid = c.oid
+CROSS JOIN LATERAL (SELECT c.oid AS relid WHERE c.relkind <> 'p'
+                    UNION ALL
+                    SELECT relid FROM pg_partition_tree(c.oid) WHERE c.relkind = 'p') AS p
+LEFT JOIN pg_stat_all_tables AS s ON s.relid = p.relid
+GROUP BY t.name, t.ord
 ORDER BY t.ord`

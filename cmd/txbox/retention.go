@@ -15,9 +15,11 @@ func (a *app) retentionCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "retention --broker-retention AGE [flags]",
 		Short: "delete inbox rows, attempt counters and call results txbox no longer needs",
-		Long: "Deletes processed inbox rows, dead inbox rows whose letter was discarded, orphaned attempt\n" +
-			"counters and old call results, in small batches, then prints the tables' sizes. Runs once,\n" +
-			"or with --every until SIGINT or SIGTERM. Processed inbox rows are also kept for\n" +
+		Long: "Starts a new inbox generation every --inbox-generation and drops old generations whole once\n" +
+			"their newest row is past --inbox-retention (moving the rows that must stay). Deletes the\n" +
+			"processed inbox rows older than their generation, dead inbox rows whose letter was discarded,\n" +
+			"orphaned attempt counters and old call results, in small batches, then prints the tables'\n" +
+			"sizes. Runs once, or with --every until SIGINT or SIGTERM. Processed inbox rows are also kept for\n" +
 			"--inbox-retention before the oldest inbox letter in the DLQ, so a redrive stays a duplicate\n" +
 			"for the consumers that processed the message.",
 		Args: usageArgs(cobra.NoArgs),
@@ -28,6 +30,7 @@ func (a *app) retentionCommand() *cobra.Command {
 		inbox         = retention.DefaultInboxRetention
 		callResults   = retention.DefaultCallResultRetention
 		batch         = retention.DefaultBatchSize
+		generation    = retention.DefaultInboxGeneration
 	)
 	fs := cmd.Flags()
 	f := a.setting(fs, durationIn(&broker, time.Minute, maxAge), "broker-retention", "TXBOX_BROKER_RETENTION",
@@ -38,6 +41,9 @@ func (a *app) retentionCommand() *cobra.Command {
 	annotate(f, annField, "Config.InboxRetention")
 	f = a.setting(fs, durationIn(&callResults, retention.MinCallResultRetention, maxAge), "call-result-retention", "TXBOX_CALL_RESULT_RETENTION", "how long side-effect call results are kept (at least 1d: Stripe's idempotency key lifetime)")
 	annotate(f, annField, "Config.CallResultRetention")
+	f = a.setting(fs, durationIn(&generation, time.Hour, maxAge), "inbox-generation", "TXBOX_INBOX_GENERATION",
+		"how long the inbox inserts into one generation before a pass starts a new one; a generation is dropped whole once its newest row is past --inbox-retention")
+	annotate(f, annField, "Config.InboxGeneration")
 	f = a.setting(fs, intIn(&batch, 1, 100000), "batch-size", "TXBOX_RETENTION_BATCH_SIZE", "most rows one DELETE removes")
 	annotate(f, annField, "Config.BatchSize")
 	f = a.setting(fs, durationIn(&every, time.Minute, 30*24*time.Hour), "every", "TXBOX_RETENTION_EVERY", "run a pass at this interval until stopped (default: one pass)")
@@ -56,7 +62,7 @@ func (a *app) retentionCommand() *cobra.Command {
 		defer pool.Close()
 		c, err := retention.New(retention.Config{
 			DB: pool, Schema: d.schema, BrokerRetention: broker, InboxRetention: inbox,
-			CallResultRetention: callResults, BatchSize: batch, Interval: every, Logger: a.log,
+			CallResultRetention: callResults, InboxGeneration: generation, BatchSize: batch, Interval: every, Logger: a.log,
 		})
 		if err != nil {
 			return usagef("%v", fieldNames(cmd, err))
@@ -68,6 +74,11 @@ func (a *app) retentionCommand() *cobra.Command {
 		rep, err := c.RunOnce(ctx)
 		if err != nil {
 			return err
+		}
+		fmt.Fprintf(a.stdout, "inbox generation %d; dropped %d old generation(s) whole, moving %d row(s) that must stay\n",
+			rep.Generation, len(rep.GenerationsDropped), rep.GenerationRowsMoved)
+		if rep.RotationDeferred {
+			fmt.Fprintln(a.stdout, "a new generation was due but deliveries in flight held it back; the next pass starts it")
 		}
 		fmt.Fprintf(a.stdout, "deleted %d processed and %d dead inbox row(s), %d attempt counter(s), %d call result(s) in %s\n",
 			rep.DoneDeleted, rep.DeadDeleted, rep.AttemptsDeleted, rep.CallResultsDeleted, rep.Duration.Round(time.Millisecond))
