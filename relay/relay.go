@@ -177,7 +177,7 @@ func New(cfg Config) (*Relay, error) {
 	_, kafka := cfg.Sink.(*KafkaSink)
 	return &Relay{
 		cfg:     cfg,
-		sql:     renderQueries(schema),
+		sql:     renderQueries(schema, outbox.Slots/cfg.Shards),
 		dead:    dead,
 		log:     cfg.Logger.With("relay", cfg.Owner),
 		metrics: metrics.NewRelay(cfg.Registerer, cfg.Schema),
