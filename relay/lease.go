@@ -38,6 +38,10 @@ type lease struct {
 	// narrowed the highest id of the refused batch, 0 when not narrowing.
 	window   int
 	narrowed int64
+
+	// ahead is the next batch, read by the last completion when readAhead is set.
+	ahead     []pendingRow
+	readAhead bool
 }
 
 // pendingRow is one outbox row read for publishing.
@@ -174,13 +178,9 @@ func checkOnly(pgx.Tx) error { return nil }
 // cycle reads one batch, publishes it and completes it. It returns how many rows it published.
 func (l *lease) cycle(pub ShardPublisher) (int, error) {
 	r := l.relay
-	rows, err := r.cfg.DB.Query(l.ctx, r.sql.readMessages, l.slots, l.window)
+	batch, err := l.next()
 	if err != nil {
-		return 0, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
-	}
-	batch, err := pgx.CollectRows(rows, scanPending)
-	if err != nil {
-		return 0, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
+		return 0, err
 	}
 	if len(batch) == 0 {
 		return 0, nil
@@ -221,11 +221,7 @@ func (l *lease) cycle(pub ShardPublisher) (int, error) {
 	}
 	failpoint.HitContext(l.ctx, "relay.after-publish")
 
-	err = l.fenced(l.ctx, func(tx pgx.Tx) error {
-		_, err := tx.Exec(l.ctx, r.sql.deleteRows, ids)
-		return err
-	})
-	if err != nil {
+	if err := l.complete(ids, len(batch) == l.window); err != nil {
 		return 0, err
 	}
 	failpoint.HitContext(l.ctx, "relay.after-complete")
@@ -234,6 +230,50 @@ func (l *lease) cycle(pub ShardPublisher) (int, error) {
 		l.window, l.narrowed = r.cfg.BatchSize, 0 // Past the refused batch.
 	}
 	return len(batch), nil
+}
+
+// next returns the batch to publish: the rows the last completion read ahead, or a fresh read.
+func (l *lease) next() ([]pendingRow, error) {
+	if l.readAhead {
+		batch := l.ahead
+		l.ahead, l.readAhead = nil, false
+		return batch, nil
+	}
+	r := l.relay
+	rows, err := r.cfg.DB.Query(l.ctx, r.sql.readMessages, l.slots, l.window)
+	if err != nil {
+		return nil, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
+	}
+	batch, err := pgx.CollectRows(rows, scanPending)
+	if err != nil {
+		return nil, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
+	}
+	return batch, nil
+}
+
+// complete deletes the published rows ids in a fenced transaction, in one round trip with the lease
+// check. With readAhead (the batch was full, so more rows are probably waiting) the same round trip
+// reads the next batch, which the next cycle publishes without a read of its own: the read runs
+// after the delete, in its transaction, so it never returns a row just completed, and like every
+// read it returns what is committed when it runs, late commits included.
+func (l *lease) complete(ids []int64, readAhead bool) error {
+	r := l.relay
+	var ahead []pendingRow
+	err := l.fencedWith(l.ctx, func(b *pgx.Batch) {
+		b.Queue(r.sql.completeMessages, ids, l.shard, l.token)
+		if readAhead {
+			b.Queue(r.sql.readMessages, l.slots, l.window).Query(func(rows pgx.Rows) error {
+				var err error
+				ahead, err = pgx.CollectRows(rows, scanPending)
+				return err
+			})
+		}
+	}, checkOnly)
+	if err != nil {
+		return err
+	}
+	l.ahead, l.readAhead = ahead, readAhead
+	return nil
 }
 
 // aloneIfRefused cuts batch before the first message the broker refused before, or to that message
@@ -322,16 +362,31 @@ func (l *lease) bury(tx pgx.Tx, p pendingRow, reason, detail string, attempts in
 // could not tell. A bare "WHERE token = mine" on the write is not enough: a takeover could commit
 // between that check and the write. Holding the lock, a takeover waits for us instead.
 func (l *lease) fenced(ctx context.Context, fn func(pgx.Tx) error) error {
+	return l.fencedWith(ctx, nil, fn)
+}
+
+// fencedWith is fenced with the statements then queues sent in the same round trip as the check,
+// right after it. They reach PostgreSQL before the check's answer reaches the relay, so each must
+// change nothing unless the lease is still ours by itself (completeMessages).
+func (l *lease) fencedWith(ctx context.Context, then func(*pgx.Batch), fn func(pgx.Tx) error) error {
 	r := l.relay
-	return r.bounded(ctx, func(tx pgx.Tx) error {
-		var one int
-		err := tx.QueryRow(ctx, r.sql.checkLease, l.shard, l.token).Scan(&one)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return fmt.Errorf("%w: shard %d token %d superseded in the database", ErrFenced, l.shard, l.token)
+	check := func(b *pgx.Batch) {
+		b.Queue(r.sql.checkLease, l.shard, l.token).QueryRow(func(row pgx.Row) error {
+			var one int
+			err := row.Scan(&one)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return fmt.Errorf("%w: shard %d token %d superseded in the database", ErrFenced, l.shard, l.token)
+			}
+			if err != nil {
+				return fmt.Errorf("relay: lock lease of shard %d: %w", l.shard, err)
+			}
+			return nil
+		})
+		if then != nil {
+			then(b)
 		}
-		if err != nil {
-			return fmt.Errorf("relay: lock lease of shard %d: %w", l.shard, err)
-		}
+	}
+	return r.boundedWith(ctx, check, func(tx pgx.Tx) error {
 		failpoint.HitContext(ctx, "relay.lease-locked")
 		return fn(tx)
 	})

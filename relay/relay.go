@@ -282,19 +282,35 @@ func (r *Relay) prepareLeases(ctx context.Context) error {
 // the transaction is ended after LeaseTTL/3. Every transaction the relay runs on leases and on
 // rows it completes goes through it.
 func (r *Relay) bounded(ctx context.Context, fn func(pgx.Tx) error) error {
-	ttl := r.cfg.LeaseTTL
-	return inBoundedTx(ctx, r.cfg.DB, ttl/4, ttl, ttl/3, fn)
+	return r.boundedWith(ctx, nil, fn)
 }
 
-// inBoundedTx runs fn in a transaction of db with the given lock, statement and idle timeouts.
+// boundedWith is bounded with the statements first queues sent in the same round trip as the
+// bounds, before fn runs.
+func (r *Relay) boundedWith(ctx context.Context, first func(*pgx.Batch), fn func(pgx.Tx) error) error {
+	ttl := r.cfg.LeaseTTL
+	return inBoundedTx(ctx, r.cfg.DB, ttl/4, ttl, ttl/3, first, fn)
+}
+
+// inBoundedTx runs a transaction of db with the given lock, statement and idle timeouts: its first
+// round trip sets them and runs the statements first queues (nil: none), then fn runs. Each
+// statement of the round trip runs under the bounds, which PostgreSQL applies per statement.
 func inBoundedTx(ctx context.Context, db interface {
 	Begin(context.Context) (pgx.Tx, error)
-}, lock, statement, idle time.Duration, fn func(pgx.Tx) error,
+}, lock, statement, idle time.Duration, first func(*pgx.Batch), fn func(pgx.Tx) error,
 ) error {
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		ms := func(d time.Duration) string { return strconv.FormatInt(max(d.Milliseconds(), 1), 10) }
-		if _, err := tx.Exec(ctx, setBounds, ms(lock), ms(statement), ms(idle)); err != nil {
-			return fmt.Errorf("relay: bound transaction: %w", err)
+		b := &pgx.Batch{}
+		b.Queue(setBounds, ms(lock), ms(statement), ms(idle)).Exec(func(pgconn.CommandTag) error { return nil })
+		if first != nil {
+			first(b)
+		}
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			if first == nil {
+				return fmt.Errorf("relay: bound transaction: %w", err)
+			}
+			return err
 		}
 		return fn(tx)
 	})

@@ -19,7 +19,7 @@ type queries struct {
 	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
 	heartbeat, forgetNode, liveNodes, pruneNodes, nextExpiry,
 	acquire, renew, release, checkLease,
-	readMessages, refuseMessage, deleteRows, stats string
+	readMessages, refuseMessage, deleteRows, completeMessages, stats string
 
 	readCalls, startCall, rescheduleCall, insertCallResult string
 }
@@ -85,7 +85,12 @@ func renderQueries(schema string, slots int) queries {
 			WHERE id = $1 AND kind = 'message'
 			RETURNING attempts`),
 		deleteRows: r(`DELETE FROM {schema}.txbox_outbox WHERE id = ANY($1)`),
-		stats:      r(`SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM {schema}.txbox_outbox`),
+		// deleteRows for the round trip that checks the lease (shard $2, token $3), which sends it
+		// before the check's answer is in: it runs whether the check passed or not, so it carries
+		// the check too. Once the check locked the lease row the token cannot change under it.
+		completeMessages: r(`DELETE FROM {schema}.txbox_outbox WHERE id = ANY($1)
+			AND EXISTS (SELECT 1 FROM {schema}.txbox_lease WHERE shard = $2 AND token = $3)`),
+		stats: r(`SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM {schema}.txbox_outbox`),
 
 		// Due calls of the lease's slots. A call waits while an earlier call with its partition key
 		// is pending, so calls on one key (charge, then refund) keep their order through retries.
