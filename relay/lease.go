@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -38,6 +39,10 @@ type lease struct {
 	// narrowed the highest id of the refused batch, 0 when not narrowing.
 	window   int
 	narrowed int64
+
+	// parked is set while the worker waits for watch to find rows in its slots (wake).
+	parked atomic.Bool
+	wake   chan struct{}
 
 	// ahead is the next batch, read by the last completion when readAhead is set.
 	ahead     []pendingRow
@@ -145,7 +150,7 @@ func (l *lease) run() (fenced bool) {
 				l.failures = 0
 			}
 			if n < l.window {
-				l.wait(r.cfg.PollInterval)
+				l.park(n > 0)
 			}
 		}
 	}

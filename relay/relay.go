@@ -60,9 +60,17 @@ type Config struct {
 	// BatchSize is the most rows read, published and completed together. Between 1 and 10000; if
 	// not specified, defaults to 500.
 	BatchSize int
-	// PollInterval is how long an idle shard waits before looking for new rows again: the publish
-	// latency at low load. At most 1m; if not specified, defaults to 25ms.
+	// PollInterval is the shortest wait between two looks for new rows, used while rows keep
+	// coming. One look, a single query, serves every shard of the relay that has nothing to
+	// publish, and wakes those whose slots have rows; a shard with a backlog reads batch after
+	// batch without waiting. At most 1m; if not specified, defaults to 1ms.
 	PollInterval time.Duration
+	// IdlePollInterval is the longest wait between two looks: each look that finds nothing doubles
+	// the wait, from PollInterval up to IdlePollInterval. It is the publish latency of the first
+	// message after a quiet spell, and sets what an idle relay costs PostgreSQL (one query per
+	// IdlePollInterval). At least PollInterval and at most 1m; if not specified, defaults to 25ms,
+	// or to PollInterval when that is longer.
+	IdlePollInterval time.Duration
 	// StatsInterval is how often backlog and dead-letter gauges are refreshed. At most 1h; if not
 	// specified, defaults to 10s.
 	StatsInterval time.Duration
@@ -96,7 +104,8 @@ const (
 	DefaultShards             = 16
 	DefaultLeaseTTL           = 10 * time.Second
 	DefaultBatchSize          = 500
-	DefaultPollInterval       = 25 * time.Millisecond
+	DefaultPollInterval       = time.Millisecond
+	DefaultIdlePollInterval   = 25 * time.Millisecond
 	DefaultStatsInterval      = 10 * time.Second
 	DefaultMaxPublishAttempts = 10
 	DefaultMinPublishBackoff  = time.Second
@@ -112,6 +121,9 @@ type Relay struct {
 	metrics *metrics.Relay
 	tracer  trace.Tracer
 	kafka   bool // the sink is Kafka, for the spans' messaging.system
+
+	// active tells watch that a shard published rows: more are likely soon.
+	active chan struct{}
 
 	mu        sync.Mutex
 	held      map[int]*lease
@@ -145,6 +157,8 @@ func New(cfg Config) (*Relay, error) {
 	setting(&err, "Config.LeaseTTL", &cfg.LeaseTTL, DefaultLeaseTTL, 300*time.Millisecond, 10*time.Minute)
 	setting(&err, "Config.BatchSize", &cfg.BatchSize, DefaultBatchSize, 1, 10000)
 	setting(&err, "Config.PollInterval", &cfg.PollInterval, DefaultPollInterval, 1, time.Minute)
+	setting(&err, "Config.IdlePollInterval", &cfg.IdlePollInterval, max(DefaultIdlePollInterval, cfg.PollInterval),
+		cfg.PollInterval, time.Minute)
 	setting(&err, "Config.StatsInterval", &cfg.StatsInterval, DefaultStatsInterval, 1, time.Hour)
 	setting(&err, "Config.MaxPublishAttempts", &cfg.MaxPublishAttempts, DefaultMaxPublishAttempts, 1, 1000)
 	setting(&err, "Config.MinPublishBackoff", &cfg.MinPublishBackoff, DefaultMinPublishBackoff, 1, 24*time.Hour)
@@ -184,6 +198,7 @@ func New(cfg Config) (*Relay, error) {
 		tracer:  cfg.TracerProvider.Tracer(tracerName),
 		kafka:   kafka,
 		held:    map[int]*lease{},
+		active:  make(chan struct{}, 1),
 	}, nil
 }
 
@@ -212,11 +227,9 @@ func (r *Relay) Run(ctx context.Context) error {
 	r.log.Info("relay started", "shards", r.cfg.Shards, "lease_ttl", r.cfg.LeaseTTL)
 	r.metrics.LeaseTTL.Set(r.cfg.LeaseTTL.Seconds())
 
-	statsDone := make(chan struct{})
-	go func() {
-		defer close(statsDone)
-		r.reportStats(ctx)
-	}()
+	var background sync.WaitGroup
+	background.Go(func() { r.reportStats(ctx) })
+	background.Go(func() { r.watch(ctx) })
 
 	lost := make(chan *lease, r.cfg.Shards)
 	timer := time.NewTimer(r.cfg.LeaseTTL / 3)
@@ -226,7 +239,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			r.shutdown()
-			<-statsDone
+			background.Wait()
 			r.log.Info("relay stopped")
 			return nil
 		case l := <-lost:
@@ -456,6 +469,7 @@ func (r *Relay) start(ctx context.Context, l *lease, lost chan<- *lease) {
 	l.stop = make(chan struct{})
 	l.done = make(chan struct{})
 	l.forgotten = make(chan struct{})
+	l.wake = make(chan struct{}, 1)
 	// The worker's context is cancelled only when the lease is lost; a graceful stop lets the batch
 	// in flight finish first.
 	l.ctx, l.cancel = context.WithCancel(context.WithoutCancel(ctx))

@@ -19,7 +19,7 @@ type queries struct {
 	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
 	heartbeat, forgetNode, liveNodes, pruneNodes, nextExpiry,
 	acquire, renew, release, checkLease,
-	readMessages, refuseMessage, deleteRows, completeMessages, stats string
+	readMessages, dueSlots, refuseMessage, deleteRows, completeMessages, stats string
 
 	readCalls, startCall, rescheduleCall, insertCallResult string
 }
@@ -69,15 +69,14 @@ func renderQueries(schema string, slots int) queries {
 		// before (the token differs: no row) or waits until this transaction ends.
 		checkLease: r(`SELECT 1 FROM {schema}.txbox_lease WHERE shard = $1 AND token = $2 FOR UPDATE`),
 
-		// Pending means present: a row that commits late is read whenever it becomes visible. A
-		// message the broker refused waits until its next attempt, and so does every later
-		// message of its partition key (messages without a key have no order to keep).
+		// Pending means present: a row that commits late is read whenever it becomes visible.
 		readMessages: r(bySlot(`SELECT o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text, o.attempts
 			FROM {schema}.txbox_outbox AS o
-			WHERE o.kind = 'message' AND o.slot = {slot} AND o.next_attempt_at <= now()
-			  AND (o.partition_key = '' OR NOT EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS h
-				WHERE h.kind = 'message' AND h.attempts > 0 AND h.slot = o.slot AND h.partition_key = o.partition_key
-				  AND h.id < o.id AND h.next_attempt_at > now()))`, slots)),
+			WHERE o.kind = 'message' AND o.slot = {slot} AND `+messageDue, slots)),
+		// Which of the slots $1 have a message readMessages would return: one look into the
+		// index per slot, stopping at the first due row.
+		dueSlots: r(`SELECT s.slot FROM unnest($1::smallint[]) AS s(slot)
+			WHERE EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS o WHERE o.kind = 'message' AND o.slot = s.slot AND ` + messageDue + `)`),
 		// Counts a refused publish of one message and sets its next attempt $3 ms from now.
 		refuseMessage: r(`UPDATE {schema}.txbox_outbox
 			SET attempts = attempts + 1, first_attempt_at = coalesce(first_attempt_at, now()), last_error = left($2, 4000),
@@ -127,6 +126,14 @@ func renderQueries(schema string, slots int) queries {
 			ON CONFLICT (idempotency_key) DO NOTHING`),
 	}
 }
+
+// messageDue says that message row o is to be published now. A message the broker refused waits
+// until its next attempt, and so does every later message of its partition key (messages without
+// a key have no order to keep).
+const messageDue = `o.next_attempt_at <= now()
+	AND (o.partition_key = '' OR NOT EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS h
+		WHERE h.kind = 'message' AND h.attempts > 0 AND h.slot = o.slot AND h.partition_key = o.partition_key
+		  AND h.id < o.id AND h.next_attempt_at > now()))`
 
 // bySlot turns read, a read of the one slot {slot} (its rows aliased o), into a read of the slots
 // $1, which has slots elements, in id order and at most $2 rows: one range of the (kind, slot, id)

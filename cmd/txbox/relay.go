@@ -18,11 +18,11 @@ import (
 
 // relaySettings are the settings of `txbox relay`.
 type relaySettings struct {
-	brokers, owner, txPrefix, metricsAddr, lagGroups, stripeURL string
-	shards, batchSize, maxPublishAttempts                       int
-	leaseTTL, pollInterval, statsInterval, replayWindow         time.Duration
-	callTimeout, minPublishBackoff, maxPublishBackoff           time.Duration
-	transactional                                               bool
+	brokers, owner, txPrefix, metricsAddr, lagGroups, stripeURL     string
+	shards, batchSize, maxPublishAttempts                           int
+	leaseTTL, pollInterval, idlePollInterval, statsInterval         time.Duration
+	replayWindow, callTimeout, minPublishBackoff, maxPublishBackoff time.Duration
+	transactional                                                   bool
 }
 
 func (a *app) relayCommand() *cobra.Command {
@@ -38,7 +38,8 @@ func (a *app) relayCommand() *cobra.Command {
 	s := relaySettings{
 		txPrefix: "txbox", metricsAddr: "127.0.0.1:9464", stripeURL: relay.DefaultStripeURL,
 		shards: relay.DefaultShards, batchSize: relay.DefaultBatchSize, transactional: true,
-		leaseTTL: relay.DefaultLeaseTTL, pollInterval: relay.DefaultPollInterval, replayWindow: relay.DefaultReplayWindow,
+		leaseTTL: relay.DefaultLeaseTTL, pollInterval: relay.DefaultPollInterval, idlePollInterval: relay.DefaultIdlePollInterval,
+		replayWindow:  relay.DefaultReplayWindow,
 		statsInterval: relay.DefaultStatsInterval, maxPublishAttempts: relay.DefaultMaxPublishAttempts,
 		minPublishBackoff: relay.DefaultMinPublishBackoff, maxPublishBackoff: relay.DefaultMaxPublishBackoff,
 	}
@@ -57,8 +58,10 @@ func (a *app) relayCommand() *cobra.Command {
 	annotate(f, annField, "Config.BatchSize")
 	f = a.setting(fs, durationIn(&s.leaseTTL, time.Second, 10*time.Minute), "lease-ttl", "TXBOX_LEASE_TTL", "lease lifetime; a dead relay's shards move within about this long")
 	annotate(f, annField, "Config.LeaseTTL")
-	f = a.setting(fs, durationIn(&s.pollInterval, time.Millisecond, time.Minute), "poll-interval", "TXBOX_POLL_INTERVAL", "idle wait between looks for new rows (publish latency at low load)")
+	f = a.setting(fs, durationIn(&s.pollInterval, time.Millisecond, time.Minute), "poll-interval", "TXBOX_POLL_INTERVAL", "shortest wait between looks for new rows, while rows keep coming (publish latency under load)")
 	annotate(f, annField, "Config.PollInterval")
+	f = a.setting(fs, durationIn(&s.idlePollInterval, time.Millisecond, time.Minute), "idle-poll-interval", "TXBOX_IDLE_POLL_INTERVAL", "longest wait between looks, reached while nothing comes (first message's latency, idle cost); at least --poll-interval (default 25ms, or --poll-interval if longer)")
+	annotate(f, annField, "Config.IdlePollInterval")
 	f = a.setting(fs, durationIn(&s.statsInterval, time.Second, time.Hour), "stats-interval", "TXBOX_STATS_INTERVAL", "how often the backlog and dead-letter gauges are refreshed")
 	annotate(f, annField, "Config.StatsInterval")
 	f = a.setting(fs, intIn(&s.maxPublishAttempts, 1, 1000), "max-publish-attempts", "TXBOX_MAX_PUBLISH_ATTEMPTS", "attempts of a message the broker refuses for a reason that may pass (unknown topic, no write permission) before it goes to the DLQ")
@@ -97,7 +100,8 @@ func (a *app) relayCommand() *cobra.Command {
 		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 		cfg := relay.Config{
 			Sink: sink, Schema: d.schema, Owner: s.owner, Shards: s.shards, BatchSize: s.batchSize,
-			LeaseTTL: s.leaseTTL, PollInterval: s.pollInterval, StatsInterval: s.statsInterval, Calls: calls,
+			LeaseTTL: s.leaseTTL, PollInterval: s.pollInterval, IdlePollInterval: s.idlePollInterval, StatsInterval: s.statsInterval,
+			Calls:              calls,
 			MaxPublishAttempts: s.maxPublishAttempts, MinPublishBackoff: s.minPublishBackoff, MaxPublishBackoff: s.maxPublishBackoff,
 			Logger: a.log, Registerer: reg,
 		}
