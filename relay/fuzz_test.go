@@ -88,7 +88,7 @@ func FuzzMetadataRoundTrip(f *testing.F) {
 			}
 			return
 		}
-		rows, err := tx.Query(ctx, read, allSlots, 10)
+		rows, err := tx.Query(ctx, read, allSlots, 10, DefaultBatchBytes)
 		if err != nil {
 			t.Fatal(err)
 		}

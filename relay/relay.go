@@ -60,6 +60,10 @@ type Config struct {
 	// BatchSize is the most rows read, published and completed together. Between 1 and 10000; if
 	// not specified, defaults to 500.
 	BatchSize int
+	// BatchBytes bounds the payload and metadata bytes of a batch, so that large messages make
+	// smaller batches and a shard holds at most about this much of them in memory; a message larger
+	// than it is published alone. Between 1 KiB and 1 GiB; if not specified, defaults to 4 MiB.
+	BatchBytes int
 	// PollInterval is the shortest wait between two looks for new rows, used while rows keep
 	// coming. One look, a single query, serves every shard of the relay that has nothing to
 	// publish, and wakes those whose slots have rows; a shard with a backlog reads batch after
@@ -104,6 +108,7 @@ const (
 	DefaultShards             = 16
 	DefaultLeaseTTL           = 10 * time.Second
 	DefaultBatchSize          = 500
+	DefaultBatchBytes         = 4 << 20
 	DefaultPollInterval       = time.Millisecond
 	DefaultIdlePollInterval   = 25 * time.Millisecond
 	DefaultStatsInterval      = 10 * time.Second
@@ -156,6 +161,7 @@ func New(cfg Config) (*Relay, error) {
 	}
 	setting(&err, "Config.LeaseTTL", &cfg.LeaseTTL, DefaultLeaseTTL, 300*time.Millisecond, 10*time.Minute)
 	setting(&err, "Config.BatchSize", &cfg.BatchSize, DefaultBatchSize, 1, 10000)
+	setting(&err, "Config.BatchBytes", &cfg.BatchBytes, DefaultBatchBytes, 1<<10, 1<<30)
 	setting(&err, "Config.PollInterval", &cfg.PollInterval, DefaultPollInterval, 1, time.Minute)
 	setting(&err, "Config.IdlePollInterval", &cfg.IdlePollInterval, max(DefaultIdlePollInterval, cfg.PollInterval),
 		cfg.PollInterval, time.Minute)

@@ -174,7 +174,7 @@ func TestReadsAreBoundedByTheBatch(t *testing.T) {
 		batch int // rows it may return or change
 		args  func(shard int) []any
 	}{
-		{"read messages", q.readMessages, batch, func(shard int) []any { return []any{slotsOf(shard, scanShards), batch} }},
+		{"read messages", q.readMessages, batch, func(shard int) []any { return []any{slotsOf(shard, scanShards), batch, DefaultBatchBytes} }},
 		{"read calls", q.readCalls, DefaultCallBatchSize, func(shard int) []any {
 			return []any{slotsOf(shard, scanShards), DefaultCallBatchSize}
 		}},

@@ -69,10 +69,23 @@ func renderQueries(schema string, slots int) queries {
 		// before (the token differs: no row) or waits until this transaction ends.
 		checkLease: r(`SELECT 1 FROM {schema}.txbox_lease WHERE shard = $1 AND token = $2 FOR UPDATE`),
 
-		// Pending means present: a row that commits late is read whenever it becomes visible.
-		readMessages: r(bySlot(`SELECT o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text, o.attempts
-			FROM {schema}.txbox_outbox AS o
-			WHERE o.kind = 'message' AND o.slot = {slot} AND `+messageDue, slots)),
+		// Pending means present: a row that commits late is read whenever it becomes visible. At
+		// most $2 rows, and only as many as fit in $3 bytes of payload and metadata, but always
+		// the first: a message larger than $3 goes alone. When $3 cuts the batch, the first row
+		// left out ends it, flagged "over" and without its payload and metadata, so the relay
+		// knows more rows are due. The cut is made on the rows read, so the read stays at $2
+		// rows, and the running sum streams: nothing is held back to count.
+		readMessages: r(`SELECT id, topic, partition_key, uuid, CASE WHEN over THEN ''::bytea ELSE payload END,
+				CASE WHEN over THEN '' ELSE metadata END, attempts, over
+			FROM (SELECT b.*, b.n > 1 AND b.bytes > $3 AS over
+				FROM (SELECT m.*, row_number() OVER w AS n, sum(m.size) OVER w AS bytes
+					FROM (` + bySlot(`SELECT o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text AS metadata, o.attempts,
+							octet_length(o.payload) + octet_length(o.metadata::text) AS size
+						FROM {schema}.txbox_outbox AS o
+						WHERE o.kind = 'message' AND o.slot = {slot} AND `+messageDue, slots) + `) AS m
+					WINDOW w AS (ORDER BY m.id)) AS b
+				WHERE b.n = 1 OR b.bytes - b.size <= $3) AS c
+			ORDER BY id`),
 		// Which of the slots $1 have a message readMessages would return: one look into the
 		// index per slot, stopping at the first due row.
 		dueSlots: r(`SELECT s.slot FROM unnest($1::smallint[]) AS s(slot)

@@ -186,6 +186,7 @@ func TestUsageErrors(t *testing.T) {
 		{args: append(relay, "--shards", "0"), want: []string{"--shards / TXBOX_SHARDS must divide 256"}},
 		{args: append(relay, "--shards", "512"), want: []string{"--shards / TXBOX_SHARDS must divide 256"}},
 		{args: append(relay, "--batch-size", "0"), want: []string{`--batch-size / TXBOX_BATCH_SIZE must be a whole number from 1 to 10000, got "0"`}},
+		{args: append(relay, "--batch-bytes", "100"), want: []string{`--batch-bytes / TXBOX_BATCH_BYTES must be a whole number from 1024 to 1073741824, got "100"`}},
 		{args: append(relay, "--lease-ttl", "100ms"), want: []string{`--lease-ttl / TXBOX_LEASE_TTL must be a duration from 1s to 10m`}},
 		{args: append(relay, "--lease-ttl", "0"), want: []string{`--lease-ttl / TXBOX_LEASE_TTL must be a duration`}},
 		{args: append(relay, "--poll-interval", "0"), want: []string{`--poll-interval / TXBOX_POLL_INTERVAL must be a duration from 1ms to 1m`}},

@@ -19,7 +19,7 @@ import (
 // relaySettings are the settings of `txbox relay`.
 type relaySettings struct {
 	brokers, owner, txPrefix, metricsAddr, lagGroups, stripeURL     string
-	shards, batchSize, maxPublishAttempts                           int
+	shards, batchSize, batchBytes, maxPublishAttempts               int
 	leaseTTL, pollInterval, idlePollInterval, statsInterval         time.Duration
 	replayWindow, callTimeout, minPublishBackoff, maxPublishBackoff time.Duration
 	transactional                                                   bool
@@ -37,7 +37,7 @@ func (a *app) relayCommand() *cobra.Command {
 	d := a.databaseFlags(cmd)
 	s := relaySettings{
 		txPrefix: "txbox", metricsAddr: "127.0.0.1:9464", stripeURL: relay.DefaultStripeURL,
-		shards: relay.DefaultShards, batchSize: relay.DefaultBatchSize, transactional: true,
+		shards: relay.DefaultShards, batchSize: relay.DefaultBatchSize, batchBytes: relay.DefaultBatchBytes, transactional: true,
 		leaseTTL: relay.DefaultLeaseTTL, pollInterval: relay.DefaultPollInterval, idlePollInterval: relay.DefaultIdlePollInterval,
 		replayWindow:  relay.DefaultReplayWindow,
 		statsInterval: relay.DefaultStatsInterval, maxPublishAttempts: relay.DefaultMaxPublishAttempts,
@@ -56,6 +56,8 @@ func (a *app) relayCommand() *cobra.Command {
 	annotate(f, annField, "Config.Shards")
 	f = a.setting(fs, intIn(&s.batchSize, 1, 10000), "batch-size", "TXBOX_BATCH_SIZE", "rows published per batch (one Kafka transaction)")
 	annotate(f, annField, "Config.BatchSize")
+	f = a.setting(fs, intIn(&s.batchBytes, 1<<10, 1<<30), "batch-bytes", "TXBOX_BATCH_BYTES", "most payload and metadata bytes per batch; a larger message goes alone")
+	annotate(f, annField, "Config.BatchBytes")
 	f = a.setting(fs, durationIn(&s.leaseTTL, time.Second, 10*time.Minute), "lease-ttl", "TXBOX_LEASE_TTL", "lease lifetime; a dead relay's shards move within about this long")
 	annotate(f, annField, "Config.LeaseTTL")
 	f = a.setting(fs, durationIn(&s.pollInterval, time.Millisecond, time.Minute), "poll-interval", "TXBOX_POLL_INTERVAL", "shortest wait between looks for new rows, while rows keep coming (publish latency under load)")
@@ -99,7 +101,7 @@ func (a *app) relayCommand() *cobra.Command {
 		reg := prometheus.NewRegistry()
 		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 		cfg := relay.Config{
-			Sink: sink, Schema: d.schema, Owner: s.owner, Shards: s.shards, BatchSize: s.batchSize,
+			Sink: sink, Schema: d.schema, Owner: s.owner, Shards: s.shards, BatchSize: s.batchSize, BatchBytes: s.batchBytes,
 			LeaseTTL: s.leaseTTL, PollInterval: s.pollInterval, IdlePollInterval: s.idlePollInterval, StatsInterval: s.statsInterval,
 			Calls:              calls,
 			MaxPublishAttempts: s.maxPublishAttempts, MinPublishBackoff: s.minPublishBackoff, MaxPublishBackoff: s.maxPublishBackoff,
