@@ -21,6 +21,14 @@
 //   - Latency: commit → consumer receive at a steady 200 messages per second, p50 and p99, with
 //     both pipelines polling every 10ms. b.N counts messages.
 //
+// The relay alone (relay_bench_test.go; not run by scripts/bench):
+//
+//   - RelayWarmDrain: a relay whose producers are open drains a backlog of b.N messages committed
+//     in one transaction, against a bare idempotent sarama producer sending the same records.
+//   - RelayLatency: Latency's measurement through the relay with its default settings.
+//   - RelayIdle: CPU per second of the process and of its PostgreSQL backends while nothing is
+//     written, for b.N milliseconds, the relay with its defaults against the forwarder at 10ms.
+//
 // The first variant of each benchmark is its baseline; scripts/bench reports the others relative to
 // it. Numbers depend on the machine, on PostgreSQL's fsync settings and on Kafka; compare variants
 // of one run, not runs on different machines.

@@ -69,8 +69,9 @@ type Config struct {
 	// publish, and wakes those whose slots have rows; a shard with a backlog reads batch after
 	// batch without waiting. At most 1m; if not specified, defaults to 1ms.
 	PollInterval time.Duration
-	// IdlePollInterval is the longest wait between two looks: each look that finds nothing doubles
-	// the wait, from PollInterval up to IdlePollInterval. It is the publish latency of the first
+	// IdlePollInterval is the longest wait between two looks: once 16 looks in a row found nothing,
+	// each further empty look doubles the wait, from PollInterval up to IdlePollInterval. It is
+	// the publish latency of the first
 	// message after a quiet spell, and sets what an idle relay costs PostgreSQL (one query per
 	// IdlePollInterval). At least PollInterval and at most 1m; if not specified, defaults to 25ms,
 	// or to PollInterval when that is longer.
