@@ -198,7 +198,9 @@ func (l *lease) cycle(pub ShardPublisher) (published int, more bool, err error) 
 	}
 	failpoint.HitContext(l.ctx, "relay.after-read")
 	batch, more = cut(batch, l.window)
-	batch = aloneIfRefused(batch)
+	if alone := aloneIfRefused(batch); len(alone) < len(batch) {
+		batch, more = alone, true
+	}
 
 	msgs := make([]Message, len(batch))
 	ids := make([]int64, len(batch))
