@@ -241,7 +241,7 @@ func (a *Admin) Bury(ctx context.Context, db TxBeginner, id int64, reason string
 		return Row{}, errors.New("relay: Bury needs a reason, for whoever reads the letter")
 	}
 	var buried Row
-	err := inBoundedTx(ctx, db, adminLockTimeout, adminStatement, adminIdle, func(tx pgx.Tx) error {
+	err := inBoundedTx(ctx, db, adminLockTimeout, adminStatement, adminIdle, nil, func(tx pgx.Tx) error {
 		var shard int
 		// No lease row (no relay ever ran) means nothing to wait for.
 		if err := tx.QueryRow(ctx, a.sql.lockLeaseOf, id).Scan(&shard); err != nil && !errors.Is(err, pgx.ErrNoRows) {

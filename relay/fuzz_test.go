@@ -65,7 +65,7 @@ func FuzzMetadataRoundTrip(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	read := renderQueries(schema).readMessages
+	read := renderQueries(schema, outbox.Slots).readMessages
 	allSlots := slotsOf(0, 1)
 
 	f.Add("u1", "k", "order-7", "note", "<b>&amp;</b>")
@@ -88,7 +88,7 @@ func FuzzMetadataRoundTrip(f *testing.F) {
 			}
 			return
 		}
-		rows, err := tx.Query(ctx, read, allSlots, 10)
+		rows, err := tx.Query(ctx, read, allSlots, 10, DefaultBatchBytes)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -38,6 +39,14 @@ type lease struct {
 	// narrowed the highest id of the refused batch, 0 when not narrowing.
 	window   int
 	narrowed int64
+
+	// parked is set while the worker waits for watch to find rows in its slots (wake).
+	parked atomic.Bool
+	wake   chan struct{}
+
+	// ahead is the next batch, read by the last completion when readAhead is set.
+	ahead     []pendingRow
+	readAhead bool
 }
 
 // pendingRow is one outbox row read for publishing.
@@ -49,12 +58,15 @@ type pendingRow struct {
 	payload      []byte
 	metadata     string
 	attempts     int // publish attempts the broker refused so far
+	// over marks the row that ends a read cut to BatchBytes: the first row left out, read without
+	// its payload and metadata, there only to say that more rows are due.
+	over bool
 }
 
 // scanPending reads a row of the readMessages query.
 func scanPending(row pgx.CollectableRow) (pendingRow, error) {
 	var p pendingRow
-	err := row.Scan(&p.id, &p.topic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata, &p.attempts)
+	err := row.Scan(&p.id, &p.topic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata, &p.attempts, &p.over)
 	return p, err
 }
 
@@ -84,14 +96,15 @@ func (l *lease) run() (fenced bool) {
 		default:
 		}
 		var (
-			n   int
-			err error
+			n    int
+			more bool
+			err  error
 		)
 		if pub == nil {
 			pub, err = l.open()
 		}
 		if err == nil {
-			n, err = l.cycle(pub)
+			n, more, err = l.cycle(pub)
 		}
 		switch {
 		case errors.Is(err, ErrFenced):
@@ -140,8 +153,8 @@ func (l *lease) run() (fenced bool) {
 				r.log.Info("publishing recovered", "shard", l.shard, "failed_attempts", l.failures)
 				l.failures = 0
 			}
-			if n < l.window {
-				l.wait(r.cfg.PollInterval)
+			if !more {
+				l.park(n > 0)
 			}
 		}
 	}
@@ -171,22 +184,23 @@ func (l *lease) open() (ShardPublisher, error) {
 // checkOnly is a fenced transaction's body when the check is all that is wanted.
 func checkOnly(pgx.Tx) error { return nil }
 
-// cycle reads one batch, publishes it and completes it. It returns how many rows it published.
-func (l *lease) cycle(pub ShardPublisher) (int, error) {
+// cycle reads one batch, publishes it and completes it. It returns how many rows it published, and
+// whether more rows were due than the batch held (it was cut by BatchSize or BatchBytes, or before
+// a refused message), so that the next cycle should run at once.
+func (l *lease) cycle(pub ShardPublisher) (published int, more bool, err error) {
 	r := l.relay
-	rows, err := r.cfg.DB.Query(l.ctx, r.sql.readMessages, l.slots, l.window)
+	batch, err := l.next()
 	if err != nil {
-		return 0, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
-	}
-	batch, err := pgx.CollectRows(rows, scanPending)
-	if err != nil {
-		return 0, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
+		return 0, false, err
 	}
 	if len(batch) == 0 {
-		return 0, nil
+		return 0, false, nil
 	}
 	failpoint.HitContext(l.ctx, "relay.after-read")
-	batch = aloneIfRefused(batch)
+	batch, more = cut(batch, l.window)
+	if alone := aloneIfRefused(batch); len(alone) < len(batch) {
+		batch, more = alone, true
+	}
 
 	msgs := make([]Message, len(batch))
 	ids := make([]int64, len(batch))
@@ -201,39 +215,89 @@ func (l *lease) cycle(pub ShardPublisher) (int, error) {
 		var refused *RejectedError
 		switch {
 		case !errors.As(err, &refused):
-			return 0, err
+			return 0, false, err
 		case len(batch) > 1:
 			l.window = max(1, len(batch)/2)
 			l.narrowed = max(l.narrowed, batch[len(batch)-1].id)
 			r.log.Debug("the broker refused a batch; publishing smaller ones to find the refused message",
 				"shard", l.shard, "batch", len(batch), "next_batch", l.window, "error", refused)
-			return 0, errRefused
+			return 0, false, errRefused
 		}
 		cause, permanent := refused.cause(0)
 		if cause == nil {
-			return 0, fmt.Errorf("relay: a publisher refused a message without saying why: %w", err)
+			return 0, false, fmt.Errorf("relay: a publisher refused a message without saying why: %w", err)
 		}
 		if err := l.refuse(batch[0], cause, permanent); err != nil {
-			return 0, err
+			return 0, false, err
 		}
 		l.window, l.narrowed = r.cfg.BatchSize, 0
-		return 0, errRefused
+		return 0, false, errRefused
 	}
 	failpoint.HitContext(l.ctx, "relay.after-publish")
 
-	err = l.fenced(l.ctx, func(tx pgx.Tx) error {
-		_, err := tx.Exec(l.ctx, r.sql.deleteRows, ids)
-		return err
-	})
-	if err != nil {
-		return 0, err
+	if err := l.complete(ids, more); err != nil {
+		return 0, false, err
 	}
 	failpoint.HitContext(l.ctx, "relay.after-complete")
 	r.metrics.Published.Add(float64(len(batch)))
 	if l.narrowed != 0 && batch[len(batch)-1].id >= l.narrowed {
 		l.window, l.narrowed = r.cfg.BatchSize, 0 // Past the refused batch.
 	}
-	return len(batch), nil
+	return len(batch), more, nil
+}
+
+// next returns the batch to publish: the rows the last completion read ahead, or a fresh read.
+func (l *lease) next() ([]pendingRow, error) {
+	if l.readAhead {
+		batch := l.ahead
+		l.ahead, l.readAhead = nil, false
+		return batch, nil
+	}
+	r := l.relay
+	rows, err := r.cfg.DB.Query(l.ctx, r.sql.readMessages, l.slots, l.window, r.cfg.BatchBytes)
+	if err != nil {
+		return nil, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
+	}
+	batch, err := pgx.CollectRows(rows, scanPending)
+	if err != nil {
+		return nil, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
+	}
+	return batch, nil
+}
+
+// complete deletes the published rows ids in a fenced transaction, in one round trip with the lease
+// check. With readAhead (more rows were due than the batch held) the same round trip
+// reads the next batch, which the next cycle publishes without a read of its own: the read runs
+// after the delete, in its transaction, so it never returns a row just completed, and like every
+// read it returns what is committed when it runs, late commits included.
+func (l *lease) complete(ids []int64, readAhead bool) error {
+	r := l.relay
+	var ahead []pendingRow
+	err := l.fencedWith(l.ctx, func(b *pgx.Batch) {
+		b.Queue(r.sql.completeMessages, ids, l.shard, l.token)
+		if readAhead {
+			b.Queue(r.sql.readMessages, l.slots, l.window, r.cfg.BatchBytes).Query(func(rows pgx.Rows) error {
+				var err error
+				ahead, err = pgx.CollectRows(rows, scanPending)
+				return err
+			})
+		}
+	}, checkOnly)
+	if err != nil {
+		return err
+	}
+	l.ahead, l.readAhead = ahead, readAhead
+	return nil
+}
+
+// cut drops the row a read of at most limit rows ends with when BatchBytes cut it short (see
+// pendingRow.over), and reports whether more rows may be due than the batch holds: the read was
+// cut, or returned its limit.
+func cut(batch []pendingRow, limit int) ([]pendingRow, bool) {
+	if n := len(batch); batch[n-1].over {
+		return batch[:n-1], true
+	}
+	return batch, len(batch) == limit
 }
 
 // aloneIfRefused cuts batch before the first message the broker refused before, or to that message
@@ -322,16 +386,31 @@ func (l *lease) bury(tx pgx.Tx, p pendingRow, reason, detail string, attempts in
 // could not tell. A bare "WHERE token = mine" on the write is not enough: a takeover could commit
 // between that check and the write. Holding the lock, a takeover waits for us instead.
 func (l *lease) fenced(ctx context.Context, fn func(pgx.Tx) error) error {
+	return l.fencedWith(ctx, nil, fn)
+}
+
+// fencedWith is fenced with the statements then queues sent in the same round trip as the check,
+// right after it. They reach PostgreSQL before the check's answer reaches the relay, so each must
+// change nothing unless the lease is still ours by itself (completeMessages).
+func (l *lease) fencedWith(ctx context.Context, then func(*pgx.Batch), fn func(pgx.Tx) error) error {
 	r := l.relay
-	return r.bounded(ctx, func(tx pgx.Tx) error {
-		var one int
-		err := tx.QueryRow(ctx, r.sql.checkLease, l.shard, l.token).Scan(&one)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return fmt.Errorf("%w: shard %d token %d superseded in the database", ErrFenced, l.shard, l.token)
+	check := func(b *pgx.Batch) {
+		b.Queue(r.sql.checkLease, l.shard, l.token).QueryRow(func(row pgx.Row) error {
+			var one int
+			err := row.Scan(&one)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return fmt.Errorf("%w: shard %d token %d superseded in the database", ErrFenced, l.shard, l.token)
+			}
+			if err != nil {
+				return fmt.Errorf("relay: lock lease of shard %d: %w", l.shard, err)
+			}
+			return nil
+		})
+		if then != nil {
+			then(b)
 		}
-		if err != nil {
-			return fmt.Errorf("relay: lock lease of shard %d: %w", l.shard, err)
-		}
+	}
+	return r.boundedWith(ctx, check, func(tx pgx.Tx) error {
 		failpoint.HitContext(ctx, "relay.lease-locked")
 		return fn(tx)
 	})

@@ -60,9 +60,22 @@ type Config struct {
 	// BatchSize is the most rows read, published and completed together. Between 1 and 10000; if
 	// not specified, defaults to 500.
 	BatchSize int
-	// PollInterval is how long an idle shard waits before looking for new rows again: the publish
-	// latency at low load. At most 1m; if not specified, defaults to 25ms.
+	// BatchBytes bounds the payload and metadata bytes of a batch, so that large messages make
+	// smaller batches and a shard holds at most about this much of them in memory; a message larger
+	// than it is published alone. Between 1 KiB and 1 GiB; if not specified, defaults to 4 MiB.
+	BatchBytes int
+	// PollInterval is the shortest wait between two looks for new rows, used while rows keep
+	// coming. One look, a single query, serves every shard of the relay that has nothing to
+	// publish, and wakes those whose slots have rows; a shard with a backlog reads batch after
+	// batch without waiting. At most 1m; if not specified, defaults to 1ms.
 	PollInterval time.Duration
+	// IdlePollInterval is the longest wait between two looks: once 16 looks in a row found nothing,
+	// each further empty look doubles the wait, from PollInterval up to IdlePollInterval. It is
+	// the publish latency of the first
+	// message after a quiet spell, and sets what an idle relay costs PostgreSQL (one query per
+	// IdlePollInterval). At least PollInterval and at most 1m; if not specified, defaults to 25ms,
+	// or to PollInterval when that is longer.
+	IdlePollInterval time.Duration
 	// StatsInterval is how often backlog and dead-letter gauges are refreshed. At most 1h; if not
 	// specified, defaults to 10s.
 	StatsInterval time.Duration
@@ -96,7 +109,9 @@ const (
 	DefaultShards             = 16
 	DefaultLeaseTTL           = 10 * time.Second
 	DefaultBatchSize          = 500
-	DefaultPollInterval       = 25 * time.Millisecond
+	DefaultBatchBytes         = 4 << 20
+	DefaultPollInterval       = time.Millisecond
+	DefaultIdlePollInterval   = 25 * time.Millisecond
 	DefaultStatsInterval      = 10 * time.Second
 	DefaultMaxPublishAttempts = 10
 	DefaultMinPublishBackoff  = time.Second
@@ -112,6 +127,9 @@ type Relay struct {
 	metrics *metrics.Relay
 	tracer  trace.Tracer
 	kafka   bool // the sink is Kafka, for the spans' messaging.system
+
+	// active tells watch that a shard published rows: more are likely soon.
+	active chan struct{}
 
 	mu        sync.Mutex
 	held      map[int]*lease
@@ -144,7 +162,10 @@ func New(cfg Config) (*Relay, error) {
 	}
 	setting(&err, "Config.LeaseTTL", &cfg.LeaseTTL, DefaultLeaseTTL, 300*time.Millisecond, 10*time.Minute)
 	setting(&err, "Config.BatchSize", &cfg.BatchSize, DefaultBatchSize, 1, 10000)
+	setting(&err, "Config.BatchBytes", &cfg.BatchBytes, DefaultBatchBytes, 1<<10, 1<<30)
 	setting(&err, "Config.PollInterval", &cfg.PollInterval, DefaultPollInterval, 1, time.Minute)
+	setting(&err, "Config.IdlePollInterval", &cfg.IdlePollInterval, max(DefaultIdlePollInterval, cfg.PollInterval),
+		cfg.PollInterval, time.Minute)
 	setting(&err, "Config.StatsInterval", &cfg.StatsInterval, DefaultStatsInterval, 1, time.Hour)
 	setting(&err, "Config.MaxPublishAttempts", &cfg.MaxPublishAttempts, DefaultMaxPublishAttempts, 1, 1000)
 	setting(&err, "Config.MinPublishBackoff", &cfg.MinPublishBackoff, DefaultMinPublishBackoff, 1, 24*time.Hour)
@@ -177,13 +198,14 @@ func New(cfg Config) (*Relay, error) {
 	_, kafka := cfg.Sink.(*KafkaSink)
 	return &Relay{
 		cfg:     cfg,
-		sql:     renderQueries(schema),
+		sql:     renderQueries(schema, outbox.Slots/cfg.Shards),
 		dead:    dead,
 		log:     cfg.Logger.With("relay", cfg.Owner),
 		metrics: metrics.NewRelay(cfg.Registerer, cfg.Schema),
 		tracer:  cfg.TracerProvider.Tracer(tracerName),
 		kafka:   kafka,
 		held:    map[int]*lease{},
+		active:  make(chan struct{}, 1),
 	}, nil
 }
 
@@ -212,11 +234,9 @@ func (r *Relay) Run(ctx context.Context) error {
 	r.log.Info("relay started", "shards", r.cfg.Shards, "lease_ttl", r.cfg.LeaseTTL)
 	r.metrics.LeaseTTL.Set(r.cfg.LeaseTTL.Seconds())
 
-	statsDone := make(chan struct{})
-	go func() {
-		defer close(statsDone)
-		r.reportStats(ctx)
-	}()
+	var background sync.WaitGroup
+	background.Go(func() { r.reportStats(ctx) })
+	background.Go(func() { r.watch(ctx) })
 
 	lost := make(chan *lease, r.cfg.Shards)
 	timer := time.NewTimer(r.cfg.LeaseTTL / 3)
@@ -226,7 +246,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			r.shutdown()
-			<-statsDone
+			background.Wait()
 			r.log.Info("relay stopped")
 			return nil
 		case l := <-lost:
@@ -282,19 +302,35 @@ func (r *Relay) prepareLeases(ctx context.Context) error {
 // the transaction is ended after LeaseTTL/3. Every transaction the relay runs on leases and on
 // rows it completes goes through it.
 func (r *Relay) bounded(ctx context.Context, fn func(pgx.Tx) error) error {
-	ttl := r.cfg.LeaseTTL
-	return inBoundedTx(ctx, r.cfg.DB, ttl/4, ttl, ttl/3, fn)
+	return r.boundedWith(ctx, nil, fn)
 }
 
-// inBoundedTx runs fn in a transaction of db with the given lock, statement and idle timeouts.
+// boundedWith is bounded with the statements first queues sent in the same round trip as the
+// bounds, before fn runs.
+func (r *Relay) boundedWith(ctx context.Context, first func(*pgx.Batch), fn func(pgx.Tx) error) error {
+	ttl := r.cfg.LeaseTTL
+	return inBoundedTx(ctx, r.cfg.DB, ttl/4, ttl, ttl/3, first, fn)
+}
+
+// inBoundedTx runs a transaction of db with the given lock, statement and idle timeouts: its first
+// round trip sets them and runs the statements first queues (nil: none), then fn runs. Each
+// statement of the round trip runs under the bounds, which PostgreSQL applies per statement.
 func inBoundedTx(ctx context.Context, db interface {
 	Begin(context.Context) (pgx.Tx, error)
-}, lock, statement, idle time.Duration, fn func(pgx.Tx) error,
+}, lock, statement, idle time.Duration, first func(*pgx.Batch), fn func(pgx.Tx) error,
 ) error {
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		ms := func(d time.Duration) string { return strconv.FormatInt(max(d.Milliseconds(), 1), 10) }
-		if _, err := tx.Exec(ctx, setBounds, ms(lock), ms(statement), ms(idle)); err != nil {
-			return fmt.Errorf("relay: bound transaction: %w", err)
+		b := &pgx.Batch{}
+		b.Queue(setBounds, ms(lock), ms(statement), ms(idle)).Exec(func(pgconn.CommandTag) error { return nil })
+		if first != nil {
+			first(b)
+		}
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			if first == nil {
+				return fmt.Errorf("relay: bound transaction: %w", err)
+			}
+			return err
 		}
 		return fn(tx)
 	})
@@ -440,6 +476,7 @@ func (r *Relay) start(ctx context.Context, l *lease, lost chan<- *lease) {
 	l.stop = make(chan struct{})
 	l.done = make(chan struct{})
 	l.forgotten = make(chan struct{})
+	l.wake = make(chan struct{}, 1)
 	// The worker's context is cancelled only when the lease is lost; a graceful stop lets the batch
 	// in flight finish first.
 	l.ctx, l.cancel = context.WithCancel(context.WithoutCancel(ctx))

@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"fmt"
 	"strings"
 
 	"github.com/txbox/txbox/internal/sqlname"
@@ -18,12 +19,13 @@ type queries struct {
 	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
 	heartbeat, forgetNode, liveNodes, pruneNodes, nextExpiry,
 	acquire, renew, release, checkLease,
-	readMessages, refuseMessage, deleteRows, stats string
+	readMessages, dueSlots, refuseMessage, deleteRows, completeMessages, stats string
 
 	readCalls, startCall, rescheduleCall, insertCallResult string
 }
 
-func renderQueries(schema string) queries {
+// renderQueries renders the relay's statements for schema and a layout of slots slots per shard.
+func renderQueries(schema string, slots int) queries {
 	r := func(s string) string { return sqlname.Render(s, schema) }
 	return queries{
 		// Relays starting at once take turns checking the layout. Not a table lock: one queues
@@ -67,16 +69,27 @@ func renderQueries(schema string) queries {
 		// before (the token differs: no row) or waits until this transaction ends.
 		checkLease: r(`SELECT 1 FROM {schema}.txbox_lease WHERE shard = $1 AND token = $2 FOR UPDATE`),
 
-		// Pending means present: a row that commits late is read whenever it becomes visible. A
-		// message the broker refused waits until its next attempt, and so does every later
-		// message of its partition key (messages without a key have no order to keep).
-		readMessages: r(`SELECT o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text, o.attempts
-			FROM {schema}.txbox_outbox AS o
-			WHERE o.kind = 'message' AND o.slot = ANY($1) AND o.next_attempt_at <= now()
-			  AND (o.partition_key = '' OR NOT EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS h
-				WHERE h.kind = 'message' AND h.attempts > 0 AND h.slot = o.slot AND h.partition_key = o.partition_key
-				  AND h.id < o.id AND h.next_attempt_at > now()))
-			ORDER BY o.id LIMIT $2`),
+		// Pending means present: a row that commits late is read whenever it becomes visible. At
+		// most $2 rows, and only as many as fit in $3 bytes of payload and metadata, but always
+		// the first: a message larger than $3 goes alone. When $3 cuts the batch, the first row
+		// left out ends it, flagged "over" and without its payload and metadata, so the relay
+		// knows more rows are due. The cut is made on the rows read, so the read stays at $2
+		// rows, and the running sum streams: nothing is held back to count.
+		readMessages: r(`SELECT id, topic, partition_key, uuid, CASE WHEN over THEN ''::bytea ELSE payload END,
+				CASE WHEN over THEN '' ELSE metadata END, attempts, over
+			FROM (SELECT b.*, b.n > 1 AND b.bytes > $3 AS over
+				FROM (SELECT m.*, row_number() OVER w AS n, sum(m.size) OVER w AS bytes
+					FROM (` + bySlot(`SELECT o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text AS metadata, o.attempts,
+							octet_length(o.payload) + octet_length(o.metadata::text) AS size
+						FROM {schema}.txbox_outbox AS o
+						WHERE o.kind = 'message' AND o.slot = {slot} AND `+messageDue, slots) + `) AS m
+					WINDOW w AS (ORDER BY m.id)) AS b
+				WHERE b.n = 1 OR b.bytes - b.size <= $3) AS c
+			ORDER BY id`),
+		// Which of the slots $1 have a message readMessages would return: one look into the
+		// index per slot, stopping at the first due row.
+		dueSlots: r(`SELECT s.slot FROM unnest($1::smallint[]) AS s(slot)
+			WHERE EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS o WHERE o.kind = 'message' AND o.slot = s.slot AND ` + messageDue + `)`),
 		// Counts a refused publish of one message and sets its next attempt $3 ms from now.
 		refuseMessage: r(`UPDATE {schema}.txbox_outbox
 			SET attempts = attempts + 1, first_attempt_at = coalesce(first_attempt_at, now()), last_error = left($2, 4000),
@@ -84,16 +97,23 @@ func renderQueries(schema string) queries {
 			WHERE id = $1 AND kind = 'message'
 			RETURNING attempts`),
 		deleteRows: r(`DELETE FROM {schema}.txbox_outbox WHERE id = ANY($1)`),
-		stats:      r(`SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM {schema}.txbox_outbox`),
+		// deleteRows for the round trip that checks the lease (shard $2, token $3), which sends it
+		// before the check's answer is in: it runs whether the check passed or not, so it carries
+		// the check too. Once the check locked the lease row the token cannot change under it.
+		completeMessages: r(`DELETE FROM {schema}.txbox_outbox WHERE id = ANY($1)
+			AND EXISTS (SELECT 1 FROM {schema}.txbox_lease WHERE shard = $2 AND token = $3)`),
+		stats: r(`SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM {schema}.txbox_outbox`),
 
 		// Due calls of the lease's slots. A call waits while an earlier call with its partition key
 		// is pending, so calls on one key (charge, then refund) keep their order through retries.
-		readCalls: r(`SELECT o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text, o.idempotency_key
+		// The look is written as "the first of its key" so that it stays one probe of an index
+		// (migration 00008) per row: as NOT EXISTS, PostgreSQL may plan it as an anti-join that
+		// reads every call of the slot.
+		readCalls: r(bySlot(`SELECT o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text, o.idempotency_key
 			FROM {schema}.txbox_outbox AS o
-			WHERE o.kind = 'call' AND o.slot = ANY($1) AND o.next_attempt_at <= now()
-			  AND NOT EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS p
-				WHERE p.kind = 'call' AND p.slot = o.slot AND p.partition_key = o.partition_key AND p.id < o.id)
-			ORDER BY o.id LIMIT $2`),
+			WHERE o.kind = 'call' AND o.slot = {slot} AND o.next_attempt_at <= now()
+			  AND o.id = (SELECT min(p.id) FROM {schema}.txbox_outbox AS p
+				WHERE p.kind = 'call' AND p.slot = o.slot AND p.partition_key = o.partition_key)`, slots)),
 		// Runs in the fenced transaction right before a send: the first attempt is recorded before
 		// any byte leaves, and the age is measured by the database clock at this instant
 		// (clock_timestamp, not the transaction's start). The age is the idempotency key's: from
@@ -118,6 +138,28 @@ func renderQueries(schema string) queries {
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
 			ON CONFLICT (idempotency_key) DO NOTHING`),
 	}
+}
+
+// messageDue says that message row o is to be published now. A message the broker refused waits
+// until its next attempt, and so does every later message of its partition key (messages without
+// a key have no order to keep).
+const messageDue = `o.next_attempt_at <= now()
+	AND (o.partition_key = '' OR NOT EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS h
+		WHERE h.kind = 'message' AND h.attempts > 0 AND h.slot = o.slot AND h.partition_key = o.partition_key
+		  AND h.id < o.id AND h.next_attempt_at > now()))`
+
+// bySlot turns read, a read of the one slot {slot} (its rows aliased o), into a read of the slots
+// $1, which has slots elements, in id order and at most $2 rows: one range of the (kind, slot, id)
+// index per slot, merged (a Merge Append), so a read touches about $2 rows plus one index descent
+// per slot however large the backlog. The obvious "o.slot = ANY($1) ORDER BY o.id" walks the
+// primary key instead and filters, passing every pending row of other shards on its way: an idle
+// shard's read then costs the whole backlog.
+func bySlot(read string, slots int) string {
+	parts := make([]string, slots)
+	for i := range parts {
+		parts[i] = "(" + strings.ReplaceAll(read, "{slot}", fmt.Sprintf("($1::smallint[])[%d]", i+1)) + "\n\t\t\tORDER BY o.id LIMIT $2)"
+	}
+	return strings.Join(parts, "\nUNION ALL ") + "\nORDER BY id LIMIT $2"
 }
 
 // adminQueries are the statements of Admin.

@@ -18,11 +18,11 @@ import (
 
 // relaySettings are the settings of `txbox relay`.
 type relaySettings struct {
-	brokers, owner, txPrefix, metricsAddr, lagGroups, stripeURL string
-	shards, batchSize, maxPublishAttempts                       int
-	leaseTTL, pollInterval, statsInterval, replayWindow         time.Duration
-	callTimeout, minPublishBackoff, maxPublishBackoff           time.Duration
-	transactional                                               bool
+	brokers, owner, txPrefix, metricsAddr, lagGroups, stripeURL     string
+	shards, batchSize, batchBytes, maxPublishAttempts               int
+	leaseTTL, pollInterval, idlePollInterval, statsInterval         time.Duration
+	replayWindow, callTimeout, minPublishBackoff, maxPublishBackoff time.Duration
+	transactional                                                   bool
 }
 
 func (a *app) relayCommand() *cobra.Command {
@@ -37,8 +37,9 @@ func (a *app) relayCommand() *cobra.Command {
 	d := a.databaseFlags(cmd)
 	s := relaySettings{
 		txPrefix: "txbox", metricsAddr: "127.0.0.1:9464", stripeURL: relay.DefaultStripeURL,
-		shards: relay.DefaultShards, batchSize: relay.DefaultBatchSize, transactional: true,
-		leaseTTL: relay.DefaultLeaseTTL, pollInterval: relay.DefaultPollInterval, replayWindow: relay.DefaultReplayWindow,
+		shards: relay.DefaultShards, batchSize: relay.DefaultBatchSize, batchBytes: relay.DefaultBatchBytes, transactional: true,
+		leaseTTL: relay.DefaultLeaseTTL, pollInterval: relay.DefaultPollInterval, idlePollInterval: relay.DefaultIdlePollInterval,
+		replayWindow:  relay.DefaultReplayWindow,
 		statsInterval: relay.DefaultStatsInterval, maxPublishAttempts: relay.DefaultMaxPublishAttempts,
 		minPublishBackoff: relay.DefaultMinPublishBackoff, maxPublishBackoff: relay.DefaultMaxPublishBackoff,
 	}
@@ -55,10 +56,14 @@ func (a *app) relayCommand() *cobra.Command {
 	annotate(f, annField, "Config.Shards")
 	f = a.setting(fs, intIn(&s.batchSize, 1, 10000), "batch-size", "TXBOX_BATCH_SIZE", "rows published per batch (one Kafka transaction)")
 	annotate(f, annField, "Config.BatchSize")
+	f = a.setting(fs, intIn(&s.batchBytes, 1<<10, 1<<30), "batch-bytes", "TXBOX_BATCH_BYTES", "most payload and metadata bytes per batch; a larger message goes alone")
+	annotate(f, annField, "Config.BatchBytes")
 	f = a.setting(fs, durationIn(&s.leaseTTL, time.Second, 10*time.Minute), "lease-ttl", "TXBOX_LEASE_TTL", "lease lifetime; a dead relay's shards move within about this long")
 	annotate(f, annField, "Config.LeaseTTL")
-	f = a.setting(fs, durationIn(&s.pollInterval, time.Millisecond, time.Minute), "poll-interval", "TXBOX_POLL_INTERVAL", "idle wait between looks for new rows (publish latency at low load)")
+	f = a.setting(fs, durationIn(&s.pollInterval, time.Millisecond, time.Minute), "poll-interval", "TXBOX_POLL_INTERVAL", "shortest wait between looks for new rows, while rows keep coming (publish latency under load)")
 	annotate(f, annField, "Config.PollInterval")
+	f = a.setting(fs, durationIn(&s.idlePollInterval, time.Millisecond, time.Minute), "idle-poll-interval", "TXBOX_IDLE_POLL_INTERVAL", "longest wait between looks, reached while nothing comes (first message's latency, idle cost); at least --poll-interval (default 25ms, or --poll-interval if longer)")
+	annotate(f, annField, "Config.IdlePollInterval")
 	f = a.setting(fs, durationIn(&s.statsInterval, time.Second, time.Hour), "stats-interval", "TXBOX_STATS_INTERVAL", "how often the backlog and dead-letter gauges are refreshed")
 	annotate(f, annField, "Config.StatsInterval")
 	f = a.setting(fs, intIn(&s.maxPublishAttempts, 1, 1000), "max-publish-attempts", "TXBOX_MAX_PUBLISH_ATTEMPTS", "attempts of a message the broker refuses for a reason that may pass (unknown topic, no write permission) before it goes to the DLQ")
@@ -96,8 +101,9 @@ func (a *app) relayCommand() *cobra.Command {
 		reg := prometheus.NewRegistry()
 		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 		cfg := relay.Config{
-			Sink: sink, Schema: d.schema, Owner: s.owner, Shards: s.shards, BatchSize: s.batchSize,
-			LeaseTTL: s.leaseTTL, PollInterval: s.pollInterval, StatsInterval: s.statsInterval, Calls: calls,
+			Sink: sink, Schema: d.schema, Owner: s.owner, Shards: s.shards, BatchSize: s.batchSize, BatchBytes: s.batchBytes,
+			LeaseTTL: s.leaseTTL, PollInterval: s.pollInterval, IdlePollInterval: s.idlePollInterval, StatsInterval: s.statsInterval,
+			Calls:              calls,
 			MaxPublishAttempts: s.maxPublishAttempts, MinPublishBackoff: s.minPublishBackoff, MaxPublishBackoff: s.maxPublishBackoff,
 			Logger: a.log, Registerer: reg,
 		}
