@@ -187,13 +187,13 @@ func kafkaSink(b *testing.B, env *txtest.Env, transactional bool) relay.Sink {
 	return s
 }
 
-// startRelay runs a relay with its defaults (16 shards, batches of 500) except the poll interval.
-// published counts the messages it has published and completed.
-func startRelay(b *testing.B, env *txtest.Env, sink relay.Sink, poll time.Duration) (published func() int, stop func()) {
+// startRelay runs a relay with its defaults (16 shards, batches of 500, looks for new rows every
+// 1ms while they come). published counts the messages it has published and completed.
+func startRelay(b *testing.B, env *txtest.Env, sink relay.Sink) (published func() int, stop func()) {
 	b.Helper()
 	reg := prometheus.NewRegistry()
 	r, err := relay.New(relay.Config{
-		DB: env.Pool, Sink: sink, Schema: env.Schema, PollInterval: poll,
+		DB: env.Pool, Sink: sink, Schema: env.Schema,
 		Logger: quietLogger(b), Registerer: reg,
 	})
 	if err != nil {
