@@ -9,6 +9,7 @@ import (
 
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/kafkasub"
 )
 
@@ -47,7 +48,7 @@ func TestMessagesWithoutIDFromKafkaGetOneLetterEach(t *testing.T) {
 
 	second := r.newRouter(t)
 	second.AddConsumerHandler("orders", topic, kafkatest.NewSubscriber(t, "g2-"+topic), r.record)
-	runRouter(t, second)
+	txtest.RunRouter(t, second)
 	r.waitAcked(t, 8)
 	require.Equal(t, 4, r.count(t, "txbox_dlq", ""), "a redelivery makes no second letter")
 	require.Equal(t, 4, r.count(t, "txbox_inbox", "state = 'dead' AND handler = 'orders'"))

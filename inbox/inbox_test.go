@@ -275,11 +275,7 @@ func TestReturnedMessagesGoThroughTheOutbox(t *testing.T) {
 	})
 	direct, err := pubsub.Subscribe(context.Background(), "out")
 	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- router.Run(ctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	<-router.Running()
+	txtest.RunRouter(t, router)
 
 	require.NoError(t, pubsub.Publish("in", newMessage()))
 	<-processed

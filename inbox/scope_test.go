@@ -23,6 +23,7 @@ import (
 
 	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/inbox"
+	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/migrations"
 	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
@@ -75,17 +76,7 @@ func (r *rig) record(msg *message.Message) error {
 	return err
 }
 
-func (r *rig) run(t *testing.T) { runRouter(t, r.router) }
-
-// runRouter runs router until the test ends.
-func runRouter(t *testing.T, router *message.Router) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- router.Run(ctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	<-router.Running()
-}
+func (r *rig) run(t *testing.T) { txtest.RunRouter(t, r.router) }
 
 // waitAcked waits until n deliveries were acknowledged: every copy has been settled by the inbox,
 // processed or skipped.
@@ -368,7 +359,7 @@ func TestHonouringConsumerWideRowsCostsNoRoundTrip(t *testing.T) {
 		}
 	}, ib.Middleware)
 	router.AddConsumerHandler("charge", "orders.placed", pubsub, func(*message.Message) error { return nil })
-	runRouter(t, router)
+	txtest.RunRouter(t, router)
 	freshInRouter, dupInRouter := statements(func(m *message.Message) {
 		require.NoError(t, pubsub.Publish("orders.placed", m.Copy()))
 		require.NoError(t, <-settled)

@@ -693,12 +693,5 @@ func (b *callBundle) consumeReplies(t *testing.T, topic string, deliveries *atom
 			res.Metadata["payment_id"], status, res.ObjectID)
 		return err
 	})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- router.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
-	<-router.Running()
+	txtest.RunRouter(t, router)
 }

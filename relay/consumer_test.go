@@ -11,6 +11,7 @@ import (
 
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/kafkasub"
 	"github.com/txbox/txbox/outbox"
 )
@@ -43,14 +44,7 @@ func (b *bundle) startConsumer(t *testing.T) *consumer {
 			msg.UUID, msg.Metadata.Get(outbox.PartitionKeyMetadata))
 		return err
 	})
-	runCtx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- router.Run(runCtx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
-	<-router.Running()
+	txtest.RunRouter(t, router)
 	return c
 }
 

@@ -22,6 +22,7 @@ import (
 
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/kafkasub"
 	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
@@ -151,14 +152,7 @@ func TestMetricsEndpointCountsWhatHappened(t *testing.T) {
 		require.NoError(t, err)
 		router.AddMiddleware(counted, ib.Middleware)
 		router.AddConsumerHandler("charge", b.topic, kafkatest.NewSubscriber(t, group+"-"+b.env.Schema), handler)
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- router.Run(ctx) }()
-		t.Cleanup(func() {
-			cancel()
-			require.NoError(t, <-done)
-		})
-		<-router.Running()
+		txtest.RunRouter(t, router)
 	}
 	startGroup("a")
 

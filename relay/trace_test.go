@@ -22,6 +22,7 @@ import (
 
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/kafkasub"
 	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
@@ -93,14 +94,7 @@ func TestTraceFollowsAMessageFromWriterToStripe(t *testing.T) {
 		require.NoError(t, err)
 		router.AddMiddleware(ib.Middleware)
 		router.AddConsumerHandler("charge", b.topic, kafkatest.NewSubscriber(t, group+"-"+b.env.Schema), charge)
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- router.Run(ctx) }()
-		t.Cleanup(func() {
-			cancel()
-			require.NoError(t, <-done)
-		})
-		<-router.Running()
+		txtest.RunRouter(t, router)
 	}
 
 	ctx, root := tp.Tracer("test").Start(context.Background(), "place order")

@@ -15,6 +15,7 @@ import (
 
 	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/inbox"
+	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/retention"
 )
 
@@ -50,11 +51,7 @@ func TestRedrivenMessagesAreRememberedForTheInboxRetentionFromTheRedrive(t *test
 			}
 		}, ib.Middleware)
 	}
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- router.Run(runCtx) }()
-	t.Cleanup(func() { stop(); require.NoError(t, <-done) })
-	<-router.Running()
+	txtest.RunRouter(t, router)
 	waitSettled := func() {
 		t.Helper()
 		for range 2 {

@@ -147,14 +147,7 @@ func (b *bundle) startConsumer(t *testing.T, name string) {
 	require.NoError(t, err)
 	router.AddMiddleware(ib.Middleware)
 	router.AddConsumerHandler("effects", b.topic, kafkatest.NewSubscriber(t, name+"-"+b.env.Schema), chaos.Apply(b.env.Schema, nil))
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- router.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
-	<-router.Running()
+	txtest.RunRouter(t, router)
 }
 
 // consumerArgs are the flags of a txbox-consumer process named name. Its consumer group uses

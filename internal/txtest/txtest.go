@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // the database/sql driver goose migrates through
@@ -80,4 +81,20 @@ func NewIn(t testing.TB, url string) *Env {
 		}
 	})
 	return &Env{URL: url, Schema: schema, Pool: pool}
+}
+
+// RunRouter runs router until the test ends, when it is closed and must have stopped cleanly. It
+// returns once the router runs its handlers.
+func RunRouter(t testing.TB, router *message.Router) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- router.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("router: %v", err)
+		}
+	})
+	<-router.Running()
 }
