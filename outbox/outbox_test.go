@@ -89,17 +89,24 @@ func TestPublisherIsAWatermillPublisherOverTheTransaction(t *testing.T) {
 	require.Len(t, rows(t, env), 1)
 }
 
+// sampledSpanContext returns a context carrying a sampled span, and installs the W3C trace-context
+// propagator for the test: the outbox stores it as the traceparent below.
+func sampledSpanContext(t *testing.T) context.Context {
+	t.Helper()
+	traceID, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+	spanID, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
+	withPropagator(t, propagation.TraceContext{})
+	return trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: traceID, SpanID: spanID, TraceFlags: trace.FlagsSampled,
+	}))
+}
+
 func TestPublishStoresTheTraceContext(t *testing.T) {
 	t.Parallel()
 	env := txtest.New(t)
 	w, err := outbox.New(outbox.Config{Schema: env.Schema})
 	require.NoError(t, err)
-	traceID, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
-	spanID, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
-	ctx := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
-		TraceID: traceID, SpanID: spanID, TraceFlags: trace.FlagsSampled,
-	}))
-	withPropagator(t, propagation.TraceContext{})
+	ctx := sampledSpanContext(t)
 	require.NoError(t, w.Publish(ctx, env.Pool, "events", message.NewMessage(watermill.NewUUID(), nil)))
 	got := rows(t, env)
 	require.Len(t, got, 1)
@@ -113,12 +120,7 @@ func TestPublishStoresEachMessagesMetadata(t *testing.T) {
 	env := txtest.New(t)
 	w, err := outbox.New(outbox.Config{Schema: env.Schema})
 	require.NoError(t, err)
-	traceID, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
-	spanID, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
-	ctx := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
-		TraceID: traceID, SpanID: spanID, TraceFlags: trace.FlagsSampled,
-	}))
-	withPropagator(t, propagation.TraceContext{})
+	ctx := sampledSpanContext(t)
 	const traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 	var msgs []*message.Message
