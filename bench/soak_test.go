@@ -223,8 +223,8 @@ func startSoakPipeline(t *testing.T) *soakPipeline {
 	return p
 }
 
-// write runs soakWriters goroutines writing transactions of soakPerTx messages each time their
-// next() allows, until it returns false.
+// write runs soakWriters goroutines, each writing a transaction of soakPerTx messages whenever
+// its function from pace returns true, and stopping when it returns false.
 func (p *soakPipeline) write(ctx context.Context, t *testing.T, pace func(context.Context) func() bool) *sync.WaitGroup {
 	var wg sync.WaitGroup
 	for range soakWriters {
