@@ -31,6 +31,14 @@
 //     with its defaults and the forwarder polling every 10ms; then, per second while the pipeline
 //     is idle, the CPU time of this process and of the PostgreSQL backends answering its polls.
 //     b.N counts messages.
+//   - TestSoak (TXBOX_SOAK=1, skipped otherwise): the whole pipeline — writers in transactions of
+//     5 messages, the relay, Kafka, a Watermill router behind the inbox writing a business row —
+//     for TXBOX_SOAK_DURATION (default 10m) at TXBOX_SOAK_RATE messages/s (default 70 % of the
+//     maximum an unthrottled burst measures first), logging per interval a Markdown table of the
+//     rates, the outbox backlog, the consumer's lag, and the size, index size and dead/live tuples
+//     of txbox_outbox, txbox_inbox (all partitions) and txbox_inbox_attempt, then the throughput
+//     drift and the largest sizes. It asserts only that every message is processed exactly once
+//     and that the pipeline drains.
 //
 // scripts/bench runs them all and prints, with bench/cmd/benchtable, each figure issue 11 asks for
 // against its baseline and goal. Numbers depend on the machine, its load, PostgreSQL's fsync
