@@ -73,7 +73,7 @@ func reportRate(b *testing.B, n int) {
 }
 
 // waitUntil polls cond; a pipeline that stalls fails the benchmark instead of hanging it.
-func waitUntil(b *testing.B, what string, timeout time.Duration, cond func() bool) {
+func waitUntil(b testing.TB, what string, timeout time.Duration, cond func() bool) {
 	b.Helper()
 	deadline := time.Now().Add(timeout)
 	for !cond() {
@@ -84,12 +84,12 @@ func waitUntil(b *testing.B, what string, timeout time.Duration, cond func() boo
 	}
 }
 
-func quietLogger(b *testing.B) *slog.Logger {
+func quietLogger(b testing.TB) *slog.Logger {
 	return slog.New(slog.NewTextHandler(logWriter{b}, &slog.HandlerOptions{Level: slog.LevelWarn}))
 }
 
 // logWriter sends logs to b.Log, which prints them after the result line rather than inside it.
-type logWriter struct{ b *testing.B }
+type logWriter struct{ b testing.TB }
 
 func (w logWriter) Write(p []byte) (int, error) {
 	w.b.Log(strings.TrimSpace(string(p)))
@@ -175,7 +175,7 @@ func (o *txboxOutbox) publish(topic string) func(pgx.Tx, []*message.Message) err
 	}
 }
 
-func kafkaSink(b *testing.B, env *txtest.Env, transactional bool) relay.Sink {
+func kafkaSink(b testing.TB, env *txtest.Env, transactional bool) relay.Sink {
 	s, err := relay.NewKafkaSink(relay.KafkaConfig{
 		Brokers:               kafkatest.Brokers(b),
 		Transactional:         &transactional,
@@ -189,7 +189,7 @@ func kafkaSink(b *testing.B, env *txtest.Env, transactional bool) relay.Sink {
 
 // startRelay runs a relay with its defaults (16 shards, batches of 500, looks for new rows every
 // 1ms while they come). published counts the messages it has published and completed.
-func startRelay(b *testing.B, env *txtest.Env, sink relay.Sink) (published func() int, stop func()) {
+func startRelay(b testing.TB, env *txtest.Env, sink relay.Sink) (published func() int, stop func()) {
 	b.Helper()
 	reg := prometheus.NewRegistry()
 	r, err := relay.New(relay.Config{

@@ -3,7 +3,6 @@ package bench
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"os"
 	"strconv"
 	"strings"
@@ -22,7 +21,6 @@ import (
 	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/kafkasub"
 	"github.com/txbox/txbox/outbox"
-	"github.com/txbox/txbox/relay"
 )
 
 // Soak settings. The writers are a few application goroutines writing small transactions, as a
@@ -200,26 +198,8 @@ func startSoakPipeline(t *testing.T) *soakPipeline {
 	})
 	txtest.RunRouter(t, router)
 
-	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: kafkatest.Brokers(t), TransactionalIDPrefix: env.Schema})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := relay.New(relay.Config{
-		DB: env.Pool, Sink: sink, Schema: env.Schema,
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	relayCtx, stopRelay := context.WithCancel(ctx)
-	relayDone := make(chan error, 1)
-	go func() { relayDone <- r.Run(relayCtx) }()
-	t.Cleanup(func() {
-		stopRelay()
-		if err := <-relayDone; err != nil {
-			t.Errorf("relay: %v", err)
-		}
-	})
+	_, stop := startRelay(t, env, kafkaSink(t, env, true))
+	t.Cleanup(stop)
 	return p
 }
 
