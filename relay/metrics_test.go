@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/relay"
@@ -14,30 +15,17 @@ import (
 // whether it exists. Other labels of the series must not be named in labels.
 func sample(t *testing.T, reg prometheus.Gatherer, name string, labels map[string]string) (float64, bool) {
 	t.Helper()
-	families, err := reg.Gather()
+	gathered, err := reg.Gather()
 	require.NoError(t, err)
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-	next:
-		for _, m := range f.GetMetric() {
-			have := map[string]string{}
-			for _, lp := range m.GetLabel() {
-				have[lp.GetName()] = lp.GetValue()
-			}
-			for k, v := range labels {
-				if have[k] != v {
-					continue next
-				}
-			}
-			switch {
-			case m.Counter != nil:
-				return m.GetCounter().GetValue(), true
-			case m.Gauge != nil:
-				return m.GetGauge().GetValue(), true
-			}
-		}
+	families := make(map[string]*dto.MetricFamily, len(gathered))
+	for _, f := range gathered {
+		families[f.GetName()] = f
+	}
+	switch m := series(families, name, labels); {
+	case m.GetCounter() != nil:
+		return m.GetCounter().GetValue(), true
+	case m.GetGauge() != nil:
+		return m.GetGauge().GetValue(), true
 	}
 	return 0, false
 }
