@@ -126,27 +126,34 @@ func (rs *redrives) start(s *Server, operator string, lf letterFilter, f dlq.Fil
 	rs.wg.Go(func() {
 		defer cancel()
 		res, err := s.letters.Redrive(ctx, s.cfg.DB, f, opts)
-		run.mu.Lock()
-		run.moved, run.released, run.elapsed = res.Moved, res.Released, time.Since(run.started)
-		var result string
+		var state, result string
 		switch {
 		case err == nil:
-			run.state = "done"
+			state = "done"
 			result = fmt.Sprintf("moved %d of %d letter(s), released %d dead inbox row(s), in %s", res.Moved, res.Planned, res.Released,
 				res.Elapsed.Round(time.Millisecond))
 		case errors.Is(err, context.Canceled):
-			run.state = "stopped"
+			state = "stopped"
+			run.mu.Lock()
 			who := run.cancelledBy
+			run.mu.Unlock()
 			if who == "" {
 				who = "the console stopping"
 			}
 			result = fmt.Sprintf("stopped by %s after %d of %d letter(s); the rest are still in the DLQ", who, res.Moved, res.Planned)
 		default:
-			run.state, run.err = "failed", err.Error()
+			state = "failed"
 			result = fmt.Sprintf("failed after %d of %d letter(s): %v", res.Moved, res.Planned, err)
 		}
-		run.mu.Unlock()
+		// Audited before the run shows its end, so whoever sees it ended finds its audit row too.
 		_ = s.auditAlone(rs.base, auditEntry{Operator: operator, Action: "redrive", Target: lf.String(), Detail: detail, Result: result})
+		run.mu.Lock()
+		run.moved, run.released, run.elapsed = res.Moved, res.Released, time.Since(run.started)
+		run.state = state
+		if state == "failed" {
+			run.err = err.Error()
+		}
+		run.mu.Unlock()
 	})
 	return run, nil
 }
