@@ -64,9 +64,9 @@ var soakTables = []string{"txbox_outbox", "txbox_inbox", "txbox_inbox_attempt"}
 // redelivers for one. So a 10-minute soak has filled its inbox after about 3.5 minutes
 // (warmUp) and then rotates and drops a generation every minute, six times: enough to show a
 // plateau, while every delivery probes the 3 to 4 generations alive, against 16 to 17 with
-// production's defaults (a day, 15 days). Passes come every quarter generation: production's
-// hourly passes for daily generations would rotate a minute's generation up to 2.5 s late; a
-// quarter keeps each generation within 25 % of its length without a pass every second.
+// production's defaults (a day, 15 days). Passes come every quarter generation (production's
+// default is a 24th: hourly for daily generations): often enough that a generation runs at most
+// a quarter past its length, rarely enough that passes stay a small part of the load.
 type soakRetention struct {
 	generation, inbox, broker, every time.Duration
 }
@@ -135,7 +135,7 @@ func TestSoak(t *testing.T) {
 	if autovacuum == "on" {
 		t.Log("PostgreSQL autovacuum: on; the soak leaves vacuuming to it")
 	} else {
-		t.Logf("PostgreSQL autovacuum: %s. Without it nothing reclaims the outbox's and attempt table's deleted rows, nor the inbox rows retention deletes, "+
+		t.Logf("PostgreSQL autovacuum: %s. Without it only page pruning reclaims the rows the relay, the inbox and retention delete, and nothing removes their index entries, "+
 			"so the soak does what autovacuum would: VACUUM every txbox table of its schema every %s (autovacuum's default naptime is 1 min)", autovacuum, interval)
 		stopVacuum = p.vacuum(t, interval)
 	}
