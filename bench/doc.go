@@ -34,11 +34,17 @@
 //   - TestSoak (TXBOX_SOAK=1, skipped otherwise): the whole pipeline — writers in transactions of
 //     5 messages, the relay, Kafka, a Watermill router behind the inbox writing a business row —
 //     for TXBOX_SOAK_DURATION (default 10m) at TXBOX_SOAK_RATE messages/s (default 70 % of the
-//     maximum an unthrottled burst measures first), logging per interval a Markdown table of the
-//     rates, the outbox backlog, the consumer's lag, and the size, index size and dead/live tuples
-//     of txbox_outbox, txbox_inbox (all partitions) and txbox_inbox_attempt, then the throughput
-//     drift and the largest sizes. It asserts only that every message is processed exactly once
-//     and that the pipeline drains.
+//     maximum an unthrottled burst measures first), with the retention Cleaner scaled to the
+//     duration (generations of a tenth of it, inbox retention a fifth, a pass every quarter
+//     generation), one message in 100 sent again up to a generation after it was written (a
+//     broker's redelivery), and, on a server without autovacuum, a VACUUM of txbox's tables every
+//     interval. It logs per interval a Markdown table of the rates, the outbox backlog, the
+//     consumer's lag, the inbox's generations, and the size, index size and dead/live tuples of
+//     txbox_outbox, txbox_inbox (all partitions) and txbox_inbox_attempt; then the throughput
+//     drift, each table's and index's size once the inbox has filled and at the end, and what
+//     retention and VACUUM did. It asserts only that every message is processed exactly once
+//     (copies included), that the pipeline drains and that no retention pass leaves more than
+//     inbox retention / generation + 2 generations.
 //
 // scripts/bench runs them all and prints, with bench/cmd/benchtable, each figure issue 11 asks for
 // against its baseline and goal. Numbers depend on the machine, its load, PostgreSQL's fsync

@@ -184,8 +184,9 @@ func TestSoak(t *testing.T) {
 	drained := p.sample(t, time.Since(began))
 	retained := stopRetention()
 	vacuumed := stopVacuum()
-	logSoak(t, samples, drained)
-	logSizes(t, samples, ret.warmUp())
+	warm := warmedUp(samples, ret.warmUp())
+	logSoak(t, samples, drained, warm)
+	logSizes(t, samples, warm, ret.warmUp())
 	t.Logf("retention: %d passes (%d failed), %d rotations (%d deferred by deliveries in flight), %d generations dropped whole, "+
 		"%d inbox rows deleted one by one (past the cutoff in a generation not yet dropped), at most %d generations after a pass (bound %d)",
 		retained.passes, retained.failed, retained.rotations, retained.deferred, retained.dropped, retained.deletedOneByOne, retained.maxGenerations, ret.maxGenerations())
@@ -661,9 +662,20 @@ func (p *soakPipeline) sample(t *testing.T, at time.Duration) soakSample {
 	return s
 }
 
+// warmedUp is the index of the first sample once the inbox has filled (warmUp), or len(samples).
+func warmedUp(samples []soakSample, warmUp time.Duration) int {
+	for i, s := range samples {
+		if s.at >= warmUp {
+			return i
+		}
+	}
+	return len(samples)
+}
+
 // logSoak logs the samples as a Markdown table, then the drift of the consumed rate (the last
-// interval against the first) and the largest sizes.
-func logSoak(t *testing.T, samples []soakSample, drained soakSample) {
+// interval against the first, and against the one that ends at samples[warm]: the first
+// interval may be the consumer catching up) and the largest sizes.
+func logSoak(t *testing.T, samples []soakSample, drained soakSample, warm int) {
 	var sb strings.Builder
 	sb.WriteString("\n| t | written/s | published/s | consumed/s | backlog | lag | inbox generations |")
 	for _, table := range soakTables {
@@ -698,6 +710,10 @@ func logSoak(t *testing.T, samples []soakSample, drained soakSample) {
 
 	if n := len(consumedRate); n > 2 {
 		t.Logf("throughput drift (consumed/s, last interval against the first): %+.1f %%", 100*(consumedRate[n-1]/consumedRate[1]-1))
+		if warm < n-1 {
+			t.Logf("throughput drift once warmed up (consumed/s, last interval against the one to %s): %+.1f %%",
+				samples[warm].at.Round(time.Second), 100*(consumedRate[n-1]/consumedRate[warm]-1))
+		}
 	}
 	for i, table := range soakTables {
 		var biggest, dead int64
@@ -709,16 +725,9 @@ func logSoak(t *testing.T, samples []soakSample, drained soakSample) {
 	}
 }
 
-// logSizes logs each table's and index's size at the first sample once the inbox has filled
-// (warmUp) and at the last sample while writing, and the growth in between.
-func logSizes(t *testing.T, samples []soakSample, warmUp time.Duration) {
-	first := len(samples)
-	for i, s := range samples {
-		if s.at >= warmUp {
-			first = i
-			break
-		}
-	}
+// logSizes logs each table's and index's size at samples[first], once the inbox has filled
+// (warmUp), and at the last sample while writing, and the growth in between.
+func logSizes(t *testing.T, samples []soakSample, first int, warmUp time.Duration) {
 	last := len(samples) - 1
 	if first >= last {
 		t.Logf("sizes: the soak ended before its inbox had filled (%s); run it longer to see whether they stay bounded", warmUp)
