@@ -19,6 +19,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/trace"
@@ -142,6 +143,14 @@ type Inbox struct {
 	// inbox does (it takes it exclusively, every other delivery shared), so if the process dies
 	// then, the suspect killed it.
 	crashDomain sync.RWMutex
+
+	// pool is DB when it hands out connections (a *pgxpool.Pool), on which open saves a round
+	// trip. Nil otherwise.
+	pool connPool
+}
+
+type connPool interface {
+	Acquire(ctx context.Context) (*pgxpool.Conn, error)
 }
 
 type stream struct {
@@ -213,7 +222,9 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 		cfg.TracerProvider = otel.GetTracerProvider()
 	}
 	sql := renderQueries(schema)
+	pool, _ := cfg.DB.(connPool)
 	return &Inbox{
+		pool:    pool,
 		cfg:     cfg,
 		sql:     sql,
 		bounds:  timeouts,
@@ -340,13 +351,17 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 			defer ib.crashDomain.RUnlock()
 		}
 	}
-
-	processed, transient, herr := ib.process(ctx, msg, h, sc, shard, token)
-	switch {
-	case herr == nil && !processed:
+	tx, release, herr := ib.open(ctx, msg, sc, shard, token)
+	if errors.Is(herr, errTaken) {
 		ib.hit(ctx, sc)
 		ib.forgetAttempts(ctx, sc)
 		return nil
+	}
+	transient := true // The handler never ran.
+	if herr == nil {
+		transient, herr = ib.process(ctx, msg, h, sc, tx, release)
+	}
+	switch {
 	case herr == nil:
 		ib.metrics.Attempts.WithLabelValues(consumer, sc.handler).Observe(float64(max(attempts, 1)))
 		span.AddEvent(eventProcessed, trace.WithAttributes(attrAttempt.Int(max(attempts, 1))))
@@ -435,58 +450,133 @@ func (s scope) logFields() watermill.LogFields {
 	return watermill.LogFields{"handler": s.handler, "dedup_key": s.key}
 }
 
-// process runs h in a transaction with the inbox row. processed is false when the row existed. When
-// it fails, transient says that the failure is not the message's: the handler never ran, or the
-// error is transient (see there).
-func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.HandlerFunc, sc scope, shard *int32, token *int64) (processed, transient bool, err error) {
+// open begins the handler's transaction and inserts the message's inbox row in it, after the
+// generation lock (lockGenerationSQL). Its error is errTaken when the message is settled.
+// release is to be called once the transaction has ended.
+//
+// With a pool, and attempts counted (countAttemptSQL found the message not settled), it takes one
+// round trip (openOne); otherwise two: the BEGIN, then the lock and the insert in one batch, each a
+// statement of its own, so that the insert's snapshot is taken once the lock is held.
+func (ib *Inbox) open(ctx context.Context, msg *message.Message, sc scope, shard *int32, token *int64) (tx pgx.Tx, release func(), err error) {
+	args := ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token)
 	failpoint.HitContext(ctx, "inbox.before-begin")
-	tx, err := ib.cfg.DB.Begin(ctx)
-	if err != nil {
-		return false, true, fmt.Errorf("inbox: begin: %w", err)
+	if ib.pool != nil && ib.cfg.MaxAttempts > 0 {
+		query, err := ib.openQuery(args)
+		if err == nil {
+			return ib.openOne(ctx, sc, query)
+		}
+		// The batch below sends what cannot be written as a constant as a parameter, and fails
+		// as the database sees fit.
 	}
-	ran := false
+	tx, err = ib.cfg.DB.Begin(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("inbox: begin: %w", err)
+	}
+	tag, err := ib.insertRow(ctx, tx, ib.sql.insertInbox, args)
+	if err == nil && tag.RowsAffected() == 0 {
+		err = errTaken
+	}
+	if err != nil {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return nil, nil, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
+	}
+	failpoint.HitContext(ctx, "inbox.after-insert")
+	return tx, func() {}, nil
+}
+
+// errTaken is open's error when the message is settled: processed or dead-lettered, maybe by another
+// delivery while this one started.
+var errTaken = errors.New("the message is settled")
+
+// openQuery returns openOne's query, which opens the transaction, takes the generation lock and
+// inserts the inbox row (args are insertInboxSQL's), as one query of several statements in the
+// simple query protocol, the only one that takes several statements at once. That protocol takes no
+// parameters, but EXECUTE does, as constants: the two statements are prepared (see prepared).
+func (ib *Inbox) openQuery(args []any) (string, error) {
+	var q strings.Builder
+	q.WriteString("BEGIN;EXECUTE " + ib.sql.lockGenerationP.name + "(")
+	err := pgtext.WriteConstants(&q, ib.bounds[0], ib.bounds[1])
+	q.WriteString(");EXECUTE " + ib.sql.insertInboxP.name + "(")
+	err = errors.Join(err, pgtext.WriteConstants(&q, args...))
+	q.WriteString(")")
+	return q.String(), err
+}
+
+// openOne runs query on a connection of its own, through pgx (TxOptions.BeginQuery), so the handler
+// gets a pgx.Tx like any other, and the transaction is open once the query returns.
+func (ib *Inbox) openOne(ctx context.Context, sc scope, query string) (tx pgx.Tx, release func(), err error) {
+	conn, err := ib.pool.Acquire(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("inbox: acquire a connection: %w", err)
+	}
+	for _, st := range []prepared{ib.sql.lockGenerationP, ib.sql.insertInboxP} {
+		// Once per connection: pgx remembers what it prepared (and forgets it with DeallocateAll).
+		if _, err := conn.Conn().Prepare(ctx, st.name, st.sql); err != nil {
+			conn.Release()
+			return nil, nil, fmt.Errorf("inbox: prepare: %w", err)
+		}
+	}
+	tx, err = conn.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: query})
+	if err != nil {
+		if conn.Conn().PgConn().TxStatus() != 'I' {
+			// The pool discards a connection still in a transaction: end it, to keep the connection.
+			_, _ = conn.Exec(context.WithoutCancel(ctx), "ROLLBACK")
+		}
+		conn.Release()
+		if refused(err, codeTaken) {
+			err = errTaken
+		}
+		return nil, nil, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
+	}
+	failpoint.HitContext(ctx, "inbox.after-insert")
+	return tx, conn.Release, nil
+}
+
+// refused reports whether err is an error of PostgreSQL's with SQLSTATE code.
+func refused(err error, code string) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == code
+}
+
+// process runs h in tx, which holds the message's inbox row, commits, and calls release once tx has
+// ended, whatever h does (it may panic). When it fails, transient says that the failure is not the
+// message's (see isTransient).
+func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.HandlerFunc, sc scope, tx pgx.Tx, release func()) (transient bool, err error) {
+	defer release()
+	committed := false
 	defer func() {
 		if err != nil {
-			transient = !ran || isTransient(ctx, tx, err)
+			transient = isTransient(ctx, tx, err)
 		}
-		if !processed || err != nil {
+		if !committed {
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	tag, err := ib.insertRow(ctx, tx, ib.sql.insertInbox, ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token))
-	if err != nil {
-		return false, false, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
-	}
-	failpoint.HitContext(ctx, "inbox.after-insert")
-	if tag.RowsAffected() == 0 {
-		return false, false, nil
-	}
-
 	orig := msg.Context()
 	src := outbox.Source{Consumer: sc.consumer, Handler: sc.handler, DedupKey: sc.key}
 	msg.SetContext(outbox.ContextWithSource(context.WithValue(orig, txKey{}, tx), src))
-	ran = true
 	produced, err := h(msg)
 	msg.SetContext(orig)
 	failpoint.HitContext(ctx, "inbox.after-handler")
 	if err != nil {
-		return false, false, err
+		return false, err
 	}
 	if len(produced) > 0 {
 		topic := message.PublishTopicFromCtx(ctx)
 		if topic == "" {
-			return false, false, fmt.Errorf("inbox: the handler returned %d message(s) but has no publish topic; write them with the outbox instead", len(produced))
+			return false, fmt.Errorf("inbox: the handler returned %d message(s) but has no publish topic; write them with the outbox instead", len(produced))
 		}
 		if err := ib.cfg.Outbox.Publish(ctx, tx, topic, produced...); err != nil {
-			return false, false, err
+			return false, err
 		}
 	}
 	failpoint.HitContext(ctx, "inbox.before-commit")
 	if err := tx.Commit(ctx); err != nil {
-		return false, false, fmt.Errorf("inbox: commit %s: %w", sc.key, err)
+		return false, fmt.Errorf("inbox: commit %s: %w", sc.key, err)
 	}
+	committed = true
 	failpoint.HitContext(ctx, "inbox.after-commit")
-	return true, false, nil
+	return false, nil
 }
 
 // insertRow runs insert, the statement that inserts the message's inbox row, as the first of tx,
