@@ -45,11 +45,11 @@ type mortalDB struct {
 	p *process
 }
 
-func (d mortalDB) Begin(ctx context.Context) (pgx.Tx, error) {
+func (d mortalDB) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	if !d.p.alive() {
-		return nil, errCrash
+		return pgx.FailedBatchResults(b, errCrash)
 	}
-	return d.DB.Begin(ctx)
+	return d.DB.SendBatch(ctx, b)
 }
 
 func (d mortalDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {

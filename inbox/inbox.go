@@ -19,7 +19,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/trace"
@@ -45,9 +44,10 @@ const (
 	ReasonBadMetadata       = "undecodable metadata"
 )
 
-// DB is what the inbox needs from PostgreSQL; *pgxpool.Pool satisfies it.
+// DB is what the inbox needs from PostgreSQL; *pgxpool.Pool and *pgx.Conn satisfy it. The inbox
+// begins transactions with a batch (pgx's Batch.BeginTx), so that BEGIN costs no round trip.
 type DB interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 	Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
@@ -143,14 +143,6 @@ type Inbox struct {
 	// inbox does (it takes it exclusively, every other delivery shared), so if the process dies
 	// then, the suspect killed it.
 	crashDomain sync.RWMutex
-
-	// pool is DB when it hands out connections (a *pgxpool.Pool), on which open saves a round
-	// trip. Nil otherwise.
-	pool connPool
-}
-
-type connPool interface {
-	Acquire(ctx context.Context) (*pgxpool.Conn, error)
 }
 
 type stream struct {
@@ -222,9 +214,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 		cfg.TracerProvider = otel.GetTracerProvider()
 	}
 	sql := renderQueries(schema)
-	pool, _ := cfg.DB.(connPool)
 	return &Inbox{
-		pool:    pool,
 		cfg:     cfg,
 		sql:     sql,
 		bounds:  timeouts,
@@ -351,7 +341,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 			defer ib.crashDomain.RUnlock()
 		}
 	}
-	tx, release, herr := ib.open(ctx, msg, sc, shard, token)
+	tx, herr := ib.open(ctx, msg, sc, shard, token)
 	if errors.Is(herr, errTaken) {
 		ib.hit(ctx, sc)
 		ib.forgetAttempts(ctx, sc)
@@ -359,7 +349,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 	}
 	transient := true // The handler never ran.
 	if herr == nil {
-		transient, herr = ib.process(ctx, msg, h, sc, tx, release)
+		transient, herr = ib.process(ctx, msg, h, sc, tx)
 	}
 	switch {
 	case herr == nil:
@@ -450,99 +440,61 @@ func (s scope) logFields() watermill.LogFields {
 	return watermill.LogFields{"handler": s.handler, "dedup_key": s.key}
 }
 
-// open begins the handler's transaction and inserts the message's inbox row in it, after the
-// generation lock (lockGenerationSQL). Its error is errTaken when the message is settled.
-// release is to be called once the transaction has ended.
-//
-// With a pool, and attempts counted (countAttemptSQL found the message not settled), it takes one
-// round trip (openOne); otherwise two: the BEGIN, then the lock and the insert in one batch, each a
-// statement of its own, so that the insert's snapshot is taken once the lock is held.
-func (ib *Inbox) open(ctx context.Context, msg *message.Message, sc scope, shard *int32, token *int64) (tx pgx.Tx, release func(), err error) {
-	args := ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token)
+// open begins the handler's transaction with the message's inbox row in it (see beginWithRow). Its
+// error is errTaken when the message is settled.
+func (ib *Inbox) open(ctx context.Context, msg *message.Message, sc scope, shard *int32, token *int64) (pgx.Tx, error) {
 	failpoint.HitContext(ctx, "inbox.before-begin")
-	if ib.pool != nil && ib.cfg.MaxAttempts > 0 {
-		query, err := ib.openQuery(args)
-		if err == nil {
-			return ib.openOne(ctx, sc, query)
-		}
-		// The batch below sends what cannot be written as a constant as a parameter, and fails
-		// as the database sees fit.
-	}
-	tx, err = ib.cfg.DB.Begin(ctx)
-	if err != nil {
-		return nil, nil, fmt.Errorf("inbox: begin: %w", err)
-	}
-	tag, err := ib.insertRow(ctx, tx, ib.sql.insertInbox, args)
+	tx, tag, err := ib.beginWithRow(ctx, ib.sql.insertInbox, ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token))
 	if err == nil && tag.RowsAffected() == 0 {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
 		err = errTaken
 	}
 	if err != nil {
-		_ = tx.Rollback(context.WithoutCancel(ctx))
-		return nil, nil, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
+		return nil, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
 	}
 	failpoint.HitContext(ctx, "inbox.after-insert")
-	return tx, func() {}, nil
+	return tx, nil
 }
 
 // errTaken is open's error when the message is settled: processed or dead-lettered, maybe by another
 // delivery while this one started.
 var errTaken = errors.New("the message is settled")
 
-// openQuery returns openOne's query, which opens the transaction, takes the generation lock and
-// inserts the inbox row (args are insertInboxSQL's), as one query of several statements in the
-// simple query protocol, the only one that takes several statements at once. That protocol takes no
-// parameters, but EXECUTE does, as constants: the two statements are prepared (see prepared).
-func (ib *Inbox) openQuery(args []any) (string, error) {
-	var q strings.Builder
-	q.WriteString("BEGIN;EXECUTE " + ib.sql.lockGenerationP.name + "(")
-	err := pgtext.WriteConstants(&q, ib.bounds[0], ib.bounds[1])
-	q.WriteString(");EXECUTE " + ib.sql.insertInboxP.name + "(")
-	err = errors.Join(err, pgtext.WriteConstants(&q, args...))
-	q.WriteString(")")
-	return q.String(), err
-}
-
-// openOne runs query on a connection of its own, through pgx (TxOptions.BeginQuery), so the handler
-// gets a pgx.Tx like any other, and the transaction is open once the query returns.
-func (ib *Inbox) openOne(ctx context.Context, sc scope, query string) (tx pgx.Tx, release func(), err error) {
-	conn, err := ib.pool.Acquire(ctx)
-	if err != nil {
-		return nil, nil, fmt.Errorf("inbox: acquire a connection: %w", err)
-	}
-	for _, st := range []prepared{ib.sql.lockGenerationP, ib.sql.insertInboxP} {
-		// Once per connection: pgx remembers what it prepared (and forgets it with DeallocateAll).
-		if _, err := conn.Conn().Prepare(ctx, st.name, st.sql); err != nil {
-			conn.Release()
-			return nil, nil, fmt.Errorf("inbox: prepare: %w", err)
+// beginWithRow begins a transaction and runs insert, the statement that inserts the message's inbox
+// row, as its first, after the generation lock (lockGenerationSQL): all three in one round trip
+// (pgx's Batch.BeginTx), each a statement of its own, so that the insert's snapshot is taken once
+// the lock is held. On error, the transaction is over.
+func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any) (pgx.Tx, pgconn.CommandTag, error) {
+	batch := &pgx.Batch{}
+	batch.BeginTx(pgx.TxOptions{})
+	batch.Queue(ib.sql.lockGeneration, ib.bounds[0], ib.bounds[1])
+	batch.Queue(insert, args...)
+	results := ib.cfg.DB.SendBatch(ctx, batch)
+	tx := results.Tx()
+	var (
+		tag pgconn.CommandTag
+		err error
+	)
+	for range batch.QueuedQueries {
+		if tag, err = results.Exec(); err != nil {
+			break
 		}
 	}
-	tx, err = conn.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: query})
-	if err != nil {
-		if conn.Conn().PgConn().TxStatus() != 'I' {
-			// The pool discards a connection still in a transaction: end it, to keep the connection.
-			_, _ = conn.Exec(context.WithoutCancel(ctx), "ROLLBACK")
-		}
-		conn.Release()
-		if refused(err, codeTaken) {
-			err = errTaken
-		}
-		return nil, nil, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
+	err = errors.Join(err, results.Close())
+	switch {
+	case tx == nil:
+		return nil, tag, errors.Join(err, errors.New("Config.DB's SendBatch does not begin the transaction of a pgx.Batch.BeginTx"))
+	case err != nil:
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return nil, tag, err
 	}
-	failpoint.HitContext(ctx, "inbox.after-insert")
-	return tx, conn.Release, nil
+	return tx, tag, nil
 }
 
-// refused reports whether err is an error of PostgreSQL's with SQLSTATE code.
-func refused(err error, code string) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == code
-}
-
-// process runs h in tx, which holds the message's inbox row, commits, and calls release once tx has
-// ended, whatever h does (it may panic). When it fails, transient says that the failure is not the
-// message's (see isTransient).
-func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.HandlerFunc, sc scope, tx pgx.Tx, release func()) (transient bool, err error) {
-	defer release()
+// process runs h in tx, which holds the message's inbox row, and commits; tx is over when it
+// returns, or h panics. When it fails, transient says that the failure is not the message's (see
+// isTransient).
+func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.HandlerFunc, sc scope, tx pgx.Tx) (transient bool, err error) {
 	committed := false
 	defer func() {
 		if err != nil {
@@ -579,22 +531,6 @@ func (ib *Inbox) process(ctx context.Context, msg *message.Message, h message.Ha
 	return false, nil
 }
 
-// insertRow runs insert, the statement that inserts the message's inbox row, as the first of tx,
-// after the generation lock (lockGenerationSQL), in one round trip: each is a statement of its own,
-// so the insert's snapshot is taken once the lock is held.
-func (ib *Inbox) insertRow(ctx context.Context, tx pgx.Tx, insert string, args []any) (pgconn.CommandTag, error) {
-	batch := &pgx.Batch{}
-	batch.Queue(ib.sql.lockGeneration, ib.bounds[0], ib.bounds[1])
-	batch.Queue(insert, args...)
-	results := tx.SendBatch(ctx, batch)
-	_, err := results.Exec()
-	var tag pgconn.CommandTag
-	if err == nil {
-		tag, err = results.Exec()
-	}
-	return tag, errors.Join(err, results.Close())
-}
-
 // kill moves msg to the dead-letter table and marks it dead in the inbox, in one transaction, so a
 // redelivery is skipped. A nil return acknowledges the message. sc.key is empty when the message
 // has no usable dedup key.
@@ -603,16 +539,12 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 		sc.key = ib.fallbackKey(ctx, msg)
 	}
 	uuid := pgtext.Sanitize(msg.UUID)
-	tx, err := ib.cfg.DB.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("inbox: begin dead letter: %w", err)
-	}
-	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // A no-op after Commit.
-
-	tag, err := ib.insertRow(ctx, tx, ib.sql.insertDead, ib.args(sc, uuid, message.SubscribeTopicFromCtx(ctx)))
+	tx, tag, err := ib.beginWithRow(ctx, ib.sql.insertDead, ib.args(sc, uuid, message.SubscribeTopicFromCtx(ctx)))
 	if err != nil {
 		return fmt.Errorf("inbox: mark %s dead: %w", sc.key, err)
 	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // A no-op after Commit.
+
 	if tag.RowsAffected() == 0 {
 		ib.hit(ctx, sc)
 		return nil // Another delivery settled it first.

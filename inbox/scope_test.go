@@ -368,7 +368,7 @@ func TestHonouringConsumerWideRowsCostsNoRoundTrip(t *testing.T) {
 	require.Equal(t, freshOutside, freshInRouter, "statements for a fresh message")
 	require.Equal(t, dupOutside, dupInRouter, "statements for a duplicate")
 	// Mark the attempt; begin, take the generation lock and insert the inbox row (clearing the
-	// counter) in one query; commit. A duplicate: the mark.
+	// counter) in one batch; commit. A duplicate: the mark.
 	require.Equal(t, int64(3), freshInRouter)
 	require.Equal(t, int64(1), dupInRouter)
 }

@@ -1,28 +1,12 @@
 package inbox
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
-
 	"github.com/txbox/txbox/internal/inboxgen"
 	"github.com/txbox/txbox/internal/sqlname"
 )
 
 type queries struct {
 	countAttempt, runAlone, endAttempt, deleteAttempts, lockGeneration, insertInbox, insertDead, flushStats string
-
-	// open's statements, for openOne, which executes them by name.
-	lockGenerationP, insertInboxP prepared
-}
-
-// prepared is a statement that openOne prepares on each connection it uses, once, and executes by
-// name: the simple query protocol it sends takes no parameters, but EXECUTE does, and it reuses the
-// statement's plan as pgx's own prepared statements do.
-type prepared struct{ name, sql string }
-
-func prepare(sql string) prepared {
-	sum := sha256.Sum256([]byte(sql))
-	return prepared{name: "txbox_inbox_" + hex.EncodeToString(sum[:8]), sql: sql}
 }
 
 func renderQueries(schema string) queries {
@@ -35,19 +19,8 @@ func renderQueries(schema string) queries {
 		insertInbox:    sqlname.Render(insertInboxSQL, schema),
 		insertDead:     sqlname.Render(insertDeadSQL, schema),
 		flushStats:     sqlname.Render(flushStatsSQL, schema),
-
-		lockGenerationP: prepare(sqlname.Render(lockGenerationSQL, schema)),
-		insertInboxP:    prepare(sqlname.Render(insertInboxOrRefuseSQL, schema)),
 	}
 }
-
-// codeTaken is the SQLSTATE insertInboxOrRefuseSQL refuses with (txbox_refuse,
-// migrations/00013_inbox_refusals.sql) when the message is settled: processed or dead-lettered,
-// maybe by another delivery while this one started.
-const codeTaken = "TXB01"
-
-// refuse fails the statement with SQLSTATE code, unless code is NULL.
-const refuse = `{schema}.txbox_refuse`
 
 // Every statement but lockGenerationSQL names a message's scope as $1 consumer, $2 dedup key, $3
 // handler, and takes the bounds $4 and $5; its own parameters start at $6.
@@ -145,20 +118,9 @@ FROM (SELECT set_config('lock_timeout', $1, true), set_config('idle_in_transacti
 // handler succeeded, and then the counter is settled. Deleting it here rather than after the
 // handler saves a round trip. A row goes into the current generation; ON CONFLICT waits for a
 // concurrent delivery's row there, and notSettled finds committed rows in older ones.
-const insertInboxSQL = insertInboxWith + insertInboxRow
-
-// insertInboxOrRefuseSQL is insertInboxSQL for openOne, which learns only whether its query failed:
-// it refuses with codeTaken when it inserts nothing. It runs after countAttemptSQL found the
-// message not settled, so it refuses only when another delivery settled the message since, and
-// PostgreSQL seldom logs the error.
-const insertInboxOrRefuseSQL = insertInboxWith + `, inserted AS (` + insertInboxRow + ` RETURNING 1)
-SELECT ` + refuse + `(CASE WHEN NOT EXISTS (SELECT 1 FROM inserted) THEN '` + codeTaken + `' END, 'txbox: the message is settled')`
-
-const insertInboxWith = `
+const insertInboxSQL = `
 WITH b AS MATERIALIZED (SELECT * FROM ` + bounds + `),
-cleared AS (DELETE FROM {schema}.txbox_inbox_attempt USING b WHERE consumer = $1 AND dedup_key = $2 AND handler = $3)`
-
-const insertInboxRow = `
+cleared AS (DELETE FROM {schema}.txbox_inbox_attempt USING b WHERE consumer = $1 AND dedup_key = $2 AND handler = $3)
 INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, lease_shard, lease_token, generation)
 SELECT $1, $2, $3, $6::text, $7::text, $8::integer, $9::bigint, g.generation
 FROM b, {schema}.txbox_inbox_generation AS g
