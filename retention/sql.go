@@ -161,8 +161,8 @@ ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 // at most a generation later. These statements name the current generation's table
 // ({generation}, filled in by Cleaner.inGeneration) rather than filter the inbox by generation:
 // the table's own received_at index finds the due rows, where a filter on the generation, which
-// every row of the partition matches, misleads the planner into reading all of it whenever the
-// partition has no statistics yet. Should another Cleaner rotate meanwhile, a pass deletes from a
+// every row of the partition matches, can lead the planner to read all of it through its primary
+// key (as it did on a partition without statistics). Should another Cleaner rotate meanwhile, a pass deletes from a
 // generation just made old: harmless, the rows are due.
 //
 // Each delete takes one batch: it picks at most $2 rows by ctid, skipping rows another session has
