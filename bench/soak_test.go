@@ -188,7 +188,7 @@ func TestSoak(t *testing.T) {
 	logSoak(t, samples, drained, warm)
 	logSizes(t, samples, warm, ret.warmUp())
 	t.Logf("retention: %d passes (%d failed), %d rotations (%d deferred by deliveries in flight), %d generations dropped whole, "+
-		"%d inbox rows deleted one by one (past the cutoff in a generation not yet dropped), at most %d generations after a pass (bound %d)",
+		"%d inbox rows deleted one by one (past the cutoff in the current generation), at most %d generations after a pass (bound %d)",
 		retained.passes, retained.failed, retained.rotations, retained.deferred, retained.dropped, retained.deletedOneByOne, retained.maxGenerations, ret.maxGenerations())
 	if vacuumed.rounds > 0 {
 		t.Logf("VACUUM: %d rounds over the txbox tables, the longest %s; the oldest transaction open in the database when a round began was %s old "+
@@ -444,7 +444,7 @@ func (p *soakPipeline) drain(t *testing.T, timeout time.Duration) {
 
 type soakRetentionStats struct {
 	passes, failed, rotations, deferred, dropped int
-	deletedOneByOne                              int64 // Report.DoneDeleted
+	deletedOneByOne                              int64 // Report.DoneDeleted and DeadDeleted
 	maxGenerations                               int64 // generation tables after a pass
 }
 
@@ -482,7 +482,7 @@ func (p *soakPipeline) retain(t *testing.T, r soakRetention) (stop func() soakRe
 				stats.deferred++
 			}
 			stats.dropped += len(rep.GenerationsDropped)
-			stats.deletedOneByOne += rep.DoneDeleted
+			stats.deletedOneByOne += rep.DoneDeleted + rep.DeadDeleted
 			n, err := p.generations(ctx)
 			if err != nil {
 				if ctx.Err() == nil {

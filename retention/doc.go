@@ -35,13 +35,14 @@
 //
 //  3. The redriven copy itself, which the broker keeps for its whole retention from the redrive.
 //     Once the letter is gone it no longer holds the cutoff back, so the redrive records the
-//     message (UUID and topic) with its time, and every pass first moves the receipt time of
-//     every inbox row of such a message that is due (received before now - InboxRetention,
-//     redriven after) forward to the redrive: each consumer remembers a redriven message for
-//     InboxRetention from the redrive (Report.RedrivenKept). Redrive records older than that are
-//     deleted. The rows are found when they come due rather than at the redrive, which would need
-//     an index by message UUID on every inbox insert; in a generation about to be dropped they
-//     are found by one scan of it, made only when a message was redriven within InboxRetention.
+//     message (UUID and topic) with its time, and the receipt time of every inbox row of such a
+//     message that is due (received before now - InboxRetention, redriven after) moves forward
+//     to the redrive before the row could go: each consumer remembers a redriven message for
+//     InboxRetention from the redrive. Redrive records older than that are deleted. The rows are
+//     found when they could go rather than at the redrive, which would need an index by message
+//     UUID on every inbox insert: in the current generation, by every pass, among the rows it is
+//     about to delete (Report.RedrivenKept); in an older generation, by one scan of it before it
+//     is dropped, made only when a message was redriven within InboxRetention.
 //
 // 'dead' rows are never deleted while their letter is in the DLQ: they keep the broker's
 // redeliveries of that message from being processed while it waits for a person, and a redrive
@@ -54,13 +55,16 @@
 //
 // The inbox is partitioned by generation (migrations/00011_inbox_generations.sql). Inboxes insert
 // into the current one; a pass makes a new one current once the current one is
-// Config.InboxGeneration old, and drops every older generation whose newest row is past the
-// 'done' cutoff: DETACH PARTITION CONCURRENTLY, then DROP TABLE. No row is deleted one by one,
-// and no VACUUM has to reclaim them. Before the drop, the rows that must stay move to the current
-// generation: 'dead' rows whose letter is in the DLQ, and the rows of messages redriven within
-// InboxRetention (with their receipt time moved forward to the redrive). A message redriven
-// after the pass read its cutoffs is not in a generation it drops: the letter was in the DLQ
-// then, and held the cutoff back from the consumers' rows of it (rule 2).
+// Config.InboxGeneration old, and drops every older generation whose newest row is past the 'done'
+// cutoff: DETACH PARTITION CONCURRENTLY, then DROP TABLE. No row of a generation that is no longer
+// current is deleted one by one, even once it is past the cutoff: such a generation takes no insert
+// that could reuse the space, so a DELETE would reclaim nothing before the drop, and only leave
+// dead tuples for VACUUM; the row goes with its generation, at most a generation later (and the
+// inbox still makes its message's deliveries duplicates meanwhile). Before the drop, the rows that
+// must stay move to the current generation: 'dead' rows whose letter is in the DLQ, and the rows of
+// messages redriven within InboxRetention (with their receipt time moved forward to the redrive). A
+// message redriven after the pass read its cutoffs is not in a generation it drops: the letter was
+// in the DLQ then, and held the cutoff back from the consumers' rows of it (rule 2).
 //
 // The primary key is per generation, so a delivery looks for its message in every generation
 // alive (one index probe each; about InboxRetention/InboxGeneration+1 of them) and inserts into
@@ -88,12 +92,14 @@
 //
 // # Batches
 //
-// Rows past the cutoff in a generation that is not dropped yet are deleted in batches: the rows of
-// generation 0 (the inbox from before it had generations) while it still holds younger ones, and
-// rows a move kept whose reason went (a letter discarded since). Each batch picks at most
-// Config.BatchSize rows by ctid, skipping rows another session has
-// locked, and deletes them in one statement, so no lock lasts longer than one batch and VACUUM can
-// reclaim space while the pass goes on. The inbox is read through its received_at index; the
-// attempt and call result tables have no index on their timestamps, so each of their batches scans
-// until it has found its rows, which is cheap while cleanup keeps up.
+// The inbox rows past the cutoff in the current generation, the one generation that cannot be
+// dropped, are deleted in batches: the rows of generation 0 (the inbox from before it had
+// generations) until the first rotation, and rows moved in whose reason went since (a 'dead' row's
+// letter discarded, a redrive older than InboxRetention). With InboxGeneration shorter than
+// InboxRetention, no row inserted by a delivery is among them. Each batch picks at most
+// Config.BatchSize rows by ctid, skipping rows another session has locked, and deletes them in one
+// statement, so no lock lasts longer than one batch and VACUUM can reclaim space while the pass
+// goes on. The inbox is read through its received_at index; the attempt and call result tables have
+// no index on their timestamps, so each of their batches scans until it has found its rows, which
+// is cheap while cleanup keeps up.
 package retention

@@ -96,22 +96,40 @@ func TestOldGenerationsAreDroppedWhole(t *testing.T) {
 	require.Zero(t, tb.count(t, "txbox_inbox", "true"))
 
 	// Rows received in generation 1 keep it while its newest row is within InboxRetention, after
-	// it stopped being current too.
+	// it stopped being current too. Its rows past the cutoff meanwhile are neither deleted nor
+	// moved: it takes no insert any more, so that would only leave dead tuples before the drop.
 	tb.inbox(t, "billing", "young", "done", 10, 7*day)
 	tb.inbox(t, "billing", "older", "done", 10, 9*day)
+	tb.inbox(t, "billing", "discarded", "dead", 1, 9*day)
+	tb.inbox(t, "billing", "redriven", "done", 1, 9*day)
+	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_redrive")+` (message_uuid, topic, redriven_at) VALUES ('redriven-1', 'orders', now() - interval '1 day')`)
 	rep, err = tb.cleaner(t, rotating).RunOnce(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(2), rep.Generation)
 	require.Empty(t, rep.GenerationsDropped)
 	require.Equal(t, []string{"txbox_inbox_g1", "txbox_inbox_g2"}, tb.partitions(t))
-	require.Equal(t, 10, tb.count(t, "txbox_inbox", "dedup_key LIKE 'young-%'"))
-	require.Equal(t, int64(10), rep.DoneDeleted, "rows older than their generation go one by one")
+	require.Equal(t, 22, tb.count(t, "txbox_inbox", "generation = 1"), "no row of a generation to be dropped goes before it")
+	require.Zero(t, rep.DoneDeleted)
+	require.Zero(t, rep.DeadDeleted)
+	require.Zero(t, rep.RedrivenKept)
 
-	// A generation is current for InboxGeneration.
+	// Once its newest row is past the cutoff, it goes whole; the row that must stay moves out
+	// first. A generation is current for InboxGeneration.
+	tb.exec(t, `UPDATE `+tb.env.Q("txbox_inbox")+` SET received_at = now() - interval '9 days' WHERE dedup_key LIKE 'young-%'`)
 	rep, err = tb.cleaner(t, retention.Config{}).RunOnce(ctx)
 	require.NoError(t, err)
 	require.False(t, rep.Rotated)
 	require.Equal(t, int64(2), rep.Generation)
+	require.Equal(t, []int64{1}, rep.GenerationsDropped)
+	require.Equal(t, int64(1), rep.GenerationRowsMoved)
+	require.Zero(t, rep.DoneDeleted)
+	require.Zero(t, rep.DeadDeleted)
+	require.Equal(t, []string{"txbox_inbox_g2"}, tb.partitions(t))
+	require.Equal(t, []string{"redriven-1"}, tb.keys(t, "txbox_inbox", "received_at > now() - interval '25 hours'"))
+	require.Equal(t, 1, tb.count(t, "txbox_inbox", "true"))
+	for _, n := range tb.db.batches["txbox_inbox"] {
+		require.Zero(t, n, "no inbox row is deleted one by one")
+	}
 }
 
 // A dead row whose letter waits, and the rows of a message redriven since the cutoff, outlive
@@ -143,6 +161,41 @@ func TestRowsThatMustStayMoveOutOfADroppedGeneration(t *testing.T) {
 	require.Zero(t, c.runs("waiting-1"), "the dead row moved with its letter waiting")
 	require.Zero(t, c.runs("redriven-1"), "the redriven message's row moved")
 	require.Equal(t, 1, c.runs("processed-1"), "forgotten with its generation")
+
+	// The current generation cannot be dropped: a row moved into it goes one by one once its reason
+	// went, the letter discarded.
+	tb.exec(t, `DELETE FROM `+tb.env.Q("txbox_dlq")+` WHERE dedup_key = 'waiting-1'`)
+	rep, err = tb.cleaner(t, retention.Config{}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), rep.DeadDeleted)
+	require.Zero(t, tb.count(t, "txbox_inbox", "dedup_key = 'waiting-1'"))
+}
+
+// A pass whose rotation gives up on the control row, held by another Cleaner's rotation, still
+// knows the current generation: it deletes only there.
+func TestAPassDeferredByAnotherRotationDeletesOnlyInTheCurrentGeneration(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	tb.inbox(t, "billing", "old", "done", 5, 9*day)
+	tb.inbox(t, "billing", "young", "done", 1, day)
+	_, err := tb.cleaner(t, rotating).RunOnce(ctx)
+	require.NoError(t, err)
+	tb.inbox(t, "billing", "stale", "done", 1, 9*day)
+
+	other, err := tb.env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer other.Rollback(ctx) //nolint:errcheck // The test ends it.
+	_, err = other.Exec(ctx, `SELECT 1 FROM `+tb.env.Q("txbox_inbox_generation")+` FOR UPDATE`)
+	require.NoError(t, err)
+	rep, err := tb.cleaner(t, retention.Config{InboxGeneration: time.Microsecond, GenerationLockTimeout: 50 * time.Millisecond}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.NoError(t, other.Rollback(ctx))
+	require.True(t, rep.RotationDeferred)
+	require.Equal(t, int64(1), rep.Generation)
+	require.Equal(t, int64(1), rep.DoneDeleted)
+	require.Zero(t, tb.count(t, "txbox_inbox", "generation = 1"))
+	require.Equal(t, 6, tb.count(t, "txbox_inbox", "generation = 0"), "the old generation waits to be dropped whole")
 }
 
 // A delivery that starts in one generation and one of the same message in the next could not see
@@ -283,9 +336,9 @@ func TestTableSizesSumTheGenerations(t *testing.T) {
 	require.Greater(t, sizes[1].TotalBytes, int64(2*8192), "both generations count")
 }
 
-// A redriven message's row that comes due in a generation not dropped yet moves to the current
-// one too: kept where it is, with its receipt time moved forward, it would keep its whole
-// generation alive for another InboxRetention.
+// A redriven message's row that comes due in a generation not dropped yet stays there as it was,
+// and moves to the current generation when its own is dropped: given the redrive's time as its
+// receipt time where it is, it would keep its whole generation alive for another InboxRetention.
 func TestARedrivenRowDoesNotKeepItsGenerationAlive(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
@@ -297,15 +350,16 @@ func TestARedrivenRowDoesNotKeepItsGenerationAlive(t *testing.T) {
 	rep, err := tb.cleaner(t, rotating).RunOnce(ctx)
 	require.NoError(t, err)
 	require.Empty(t, rep.GenerationsDropped)
-	require.Equal(t, int64(1), rep.RedrivenKept)
-	require.Equal(t, []string{"redriven-1"}, tb.keys(t, "txbox_inbox", "generation = 1"))
-	require.Equal(t, []string{"young-1"}, tb.keys(t, "txbox_inbox", "generation = 0"))
+	require.Zero(t, rep.RedrivenKept)
+	require.Equal(t, []string{"redriven-1", "young-1"}, tb.keys(t, "txbox_inbox", "generation = 0"))
 
 	tb.exec(t, `UPDATE `+tb.env.Q("txbox_inbox")+` SET received_at = now() - interval '9 days' WHERE dedup_key = 'young-1'`)
 	rep, err = tb.cleaner(t, retention.Config{}).RunOnce(ctx)
 	require.NoError(t, err)
 	require.Equal(t, []int64{0}, rep.GenerationsDropped)
-	require.Equal(t, []string{"redriven-1"}, tb.keys(t, "txbox_inbox", "true"))
+	require.Equal(t, int64(1), rep.GenerationRowsMoved)
+	require.Equal(t, []string{"redriven-1"}, tb.keys(t, "txbox_inbox", "generation = 1 AND received_at > now() - interval '25 hours'"))
+	require.Equal(t, 1, tb.count(t, "txbox_inbox", "true"))
 }
 
 // A rotated generation's primary key arbitrates like generation 0's: concurrent deliveries of one

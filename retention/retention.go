@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -177,11 +178,13 @@ type Report struct {
 	GenerationRowsMoved int64
 	// RedrivenKept counts the inbox rows that were due but kept, because their message was
 	// redriven since: their receipt time moved forward to the redrive. Like DoneDeleted and
-	// DeadDeleted, it counts only rows past the cutoff in generations that are not dropped yet.
+	// DeadDeleted, it counts only rows of the current generation; an older generation's rows stay
+	// where they are until it is dropped (and then count in GenerationRowsMoved, or go with it).
 	RedrivenKept int64
 	// DoneDeleted, DeadDeleted, AttemptsDeleted, RedrivesDeleted and CallResultsDeleted count the
-	// rows deleted: processed inbox rows, dead inbox rows whose letter was discarded, orphaned
-	// attempt counters, records of redrives older than InboxRetention, and call results.
+	// rows deleted one by one: processed inbox rows and dead inbox rows whose letter was discarded
+	// (both of the current generation only), orphaned attempt counters, records of redrives older
+	// than InboxRetention, and call results.
 	DoneDeleted        int64
 	DeadDeleted        int64
 	AttemptsDeleted    int64
@@ -210,10 +213,14 @@ type TableSize struct {
 	DeadRows int64
 }
 
-// RunOnce first keeps the inbox rows of messages redriven within InboxRetention (see the package
-// documentation), then deletes, in batches of BatchSize rows each committed on its own:
-//   - inbox rows in state 'done' received before the cutoff (see the package documentation);
-//   - inbox rows in state 'dead' older than InboxRetention whose letter is no longer in the DLQ;
+// RunOnce starts a new inbox generation when one is due and drops the old generations whose
+// newest row is past the cutoff (see the package documentation). In the current generation, it
+// then keeps the inbox rows of messages redriven within InboxRetention. Then it deletes, in
+// batches of BatchSize rows each committed on its own:
+//   - inbox rows of the current generation in state 'done' received before the cutoff (see the
+//     package documentation);
+//   - inbox rows of the current generation in state 'dead' older than InboxRetention whose letter
+//     is no longer in the DLQ;
 //   - attempt counters of settled messages, or with no delivery for InboxRetention;
 //   - records of redrives older than InboxRetention;
 //   - call results older than CallResultRetention.
@@ -248,9 +255,9 @@ func (c *Cleaner) RunOnce(ctx context.Context) (Report, error) {
 		cutoff time.Time
 		count  *int64
 	}{
-		{"keep inbox rows of redriven messages", c.sql.keepRedriven, deadCutoff, &rep.RedrivenKept},
-		{"delete processed inbox rows", c.sql.deleteDone, rep.DoneCutoff, &rep.DoneDeleted},
-		{"delete dead inbox rows", c.sql.deleteDead, deadCutoff, &rep.DeadDeleted},
+		{"keep inbox rows of redriven messages", c.inGeneration(c.sql.keepRedriven, rep.Generation), deadCutoff, &rep.RedrivenKept},
+		{"delete processed inbox rows", c.inGeneration(c.sql.deleteDone, rep.Generation), rep.DoneCutoff, &rep.DoneDeleted},
+		{"delete dead inbox rows", c.inGeneration(c.sql.deleteDead, rep.Generation), deadCutoff, &rep.DeadDeleted},
 		{"delete inbox attempt counters", c.sql.deleteAttempts, deadCutoff, &rep.AttemptsDeleted},
 		{"delete redrive records", c.sql.deleteRedrives, deadCutoff, &rep.RedrivesDeleted},
 		{"delete call results", c.sql.deleteCallResults, callCutoff, &rep.CallResultsDeleted},
@@ -318,6 +325,11 @@ func (c *Cleaner) generationTable(generation int64) string {
 	return c.quoted + "." + pgx.Identifier{generationPrefix + strconv.FormatInt(generation, 10)}.Sanitize()
 }
 
+// inGeneration fills in the table of generation in a statement that names it (sql.go).
+func (c *Cleaner) inGeneration(sql string, generation int64) string {
+	return strings.ReplaceAll(sql, generationPlaceholder, c.generationTable(generation))
+}
+
 // dropGenerations drops every generation older than the current one whose newest row is past the
 // 'done' cutoff, once the rows that must stay moved out of it (moveDeadSQL, moveRedrivenSQL). It
 // detaches a generation CONCURRENTLY: that waits for the transactions that may still read it
@@ -355,6 +367,8 @@ func (c *Cleaner) dropGenerations(ctx context.Context, rep *Report, deadCutoff t
 	if err != nil {
 		return fmt.Errorf("list generations: %w", err)
 	}
+	// A rotation deferred by another Cleaner's, which held the control row, could not read it.
+	rep.Generation = current
 	var redrives bool
 	if err := c.cfg.DB.QueryRow(ctx, c.sql.recentRedrives, deadCutoff).Scan(&redrives); err != nil {
 		return fmt.Errorf("look for recent redrives: %w", err)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"log/slog"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -22,18 +23,21 @@ func TestMain(m *testing.M) { pgtest.Main(m) }
 
 const day = 24 * time.Hour
 
-// countingDB records the rows each DELETE removed, to see the batches.
+// countingDB records the rows each DELETE removed, to see the batches; a generation's counts as
+// the inbox's.
 type countingDB struct {
 	*pgxpool.Pool
 	mu      sync.Mutex
 	batches map[string][]int64 // table → rows per statement
 }
 
+var generationTable = regexp.MustCompile(`^txbox_inbox_g[0-9]+$`)
+
 func (db *countingDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	tag, err := db.Pool.Exec(ctx, sql, args...)
 	if err == nil && tag.Delete() {
 		table := strings.Fields(strings.SplitN(sql, "FROM", 2)[1])[0]
-		table = table[strings.LastIndex(table, ".")+1:]
+		table = generationTable.ReplaceAllString(strings.Trim(table[strings.LastIndex(table, ".")+1:], `"`), "txbox_inbox")
 		db.mu.Lock()
 		db.batches[table] = append(db.batches[table], tag.RowsAffected())
 		db.mu.Unlock()

@@ -143,7 +143,8 @@ func TestScale(t *testing.T) {
 		len(rep.GenerationsDropped), before-after, took.Round(time.Millisecond), walBytes>>10)
 	rates("after the drop", "g15-")
 
-	// For comparison, the same pass deleting rows one by one (rows older than their generation).
+	// For comparison, the same pass deleting rows one by one (rows past the cutoff in the current
+	// generation, as in generation 0 before the first rotation).
 	n := maxRows / 4
 	load("straggler-", n, 20*day)
 	took, walBytes = wal(func() {

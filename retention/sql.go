@@ -153,26 +153,35 @@ CROSS JOIN {schema}.txbox_inbox_generation AS g
 WHERE i.generation = $1 AND r.redriven_at >= $2
 ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 
-// Rows past the cutoff in a generation that is not dropped yet (rows from before the inbox had
-// generations, rows a move kept) are deleted in batches. Each delete takes one batch: it picks at
-// most $2 rows by ctid, skipping rows another session has locked, and deletes them in one short
-// statement. The conditions are repeated outside the subquery: should a row change between the
-// two, PostgreSQL rechecks them on its newest version. In the partitioned inbox a ctid names a
-// row in each generation: the conditions make every row it names one that is due too.
+// Inbox rows past the cutoff are deleted one by one only in the current generation, the only one
+// that cannot be dropped and whose space new rows reuse: the generation from before the inbox had
+// generations while it is still current, and rows moved in whose reason went since. An older
+// generation takes no insert, so deleting its rows one by one would reclaim nothing before the drop
+// and leave as many dead tuples for VACUUM; its rows all go once its newest one is past the cutoff,
+// at most a generation later. These statements name the current generation's table
+// ({generation}, filled in by Cleaner.inGeneration) rather than filter the inbox by generation:
+// the table's own received_at index finds the due rows, where a filter on the generation, which
+// every row of the partition matches, can lead the planner to read all of it through its primary
+// key (as it did on a partition without statistics). Should another Cleaner rotate meanwhile, a pass deletes from a
+// generation just made old: harmless, the rows are due.
+//
+// Each delete takes one batch: it picks at most $2 rows by ctid, skipping rows another session has
+// locked, and deletes them in one short statement. The conditions are repeated outside the
+// subquery: should a row change between the two, PostgreSQL rechecks them on its newest version.
+const generationPlaceholder = "{generation}"
 
-// keepRedrivenSQL moves inbox rows received before the cutoff $1 to the current generation, with
-// their receipt time moved forward to the redrive of their message, when that came after the
-// cutoff: the redriven copy can still be delivered, so every consumer that has a row for the
-// message must keep it (package doc). It touches only rows that are due, so each pass reads what
-// it is about to delete anyway. Updating the row where it is would keep its whole generation
-// from being dropped for InboxRetention more; rows of a generation that is dropped are moved out
-// of it before (moveRedrivenSQL).
+// keepRedrivenSQL gives the current generation's inbox rows received before the cutoff $1 the
+// time of the redrive of their message as their receipt time, when that came after the cutoff:
+// the redriven copy can still be delivered, so every consumer that has a row for the message must
+// keep it (package doc). It touches only rows that are due, so each pass reads what it is about to
+// delete anyway. The rows of an older generation stay where they are until it is dropped, and move
+// out of it then (moveRedrivenSQL): nothing deletes them before.
 const keepRedrivenSQL = `
 WITH due AS (
-    DELETE FROM {schema}.txbox_inbox AS i
+    DELETE FROM {generation} AS i
     USING {schema}.txbox_redrive AS r
     WHERE i.ctid = ANY(ARRAY(
-            SELECT i.ctid FROM {schema}.txbox_inbox AS i
+            SELECT i.ctid FROM {generation} AS i
             JOIN {schema}.txbox_redrive AS r ON r.message_uuid = i.message_uuid AND r.topic = i.topic
             WHERE i.received_at < $1 AND r.redriven_at >= $1
             LIMIT $2
@@ -197,9 +206,9 @@ WHERE ctid = ANY(ARRAY(
   AND redriven_at < $1`
 
 const deleteDoneSQL = `
-DELETE FROM {schema}.txbox_inbox
+DELETE FROM {generation}
 WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM {schema}.txbox_inbox
+        SELECT ctid FROM {generation}
         WHERE state = 'done' AND received_at < $1
         LIMIT $2
         FOR UPDATE SKIP LOCKED))
@@ -209,9 +218,9 @@ WHERE ctid = ANY(ARRAY(
 // message from being processed while it waits for a person; only rows whose letter was discarded
 // go, once the broker can no longer redeliver.
 const deleteDeadSQL = `
-DELETE FROM {schema}.txbox_inbox AS i
+DELETE FROM {generation} AS i
 WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM {schema}.txbox_inbox AS i
+        SELECT ctid FROM {generation} AS i
         WHERE state = 'dead' AND received_at < $1
           AND NOT EXISTS (SELECT 1 FROM {schema}.txbox_dlq AS d
                           WHERE d.source = 'inbox' AND d.consumer = i.consumer AND d.handler = i.handler AND d.dedup_key = i.dedup_key)

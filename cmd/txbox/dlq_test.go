@@ -259,7 +259,7 @@ func TestRetentionCommand(t *testing.T) {
 
 	out := b.ok(t, "retention", "--broker-retention", "7d", "--inbox-retention", "8d", "--batch-size", "7")
 	require.Contains(t, out, "inbox generation 0; dropped 0 old generation(s) whole")
-	require.Contains(t, out, "deleted 30 processed and 0 dead inbox row(s), 0 attempt counter(s), 0 call result(s)")
+	require.Contains(t, out, "deleted one by one 30 processed and 0 dead inbox row(s) of the current generation, 0 attempt counter(s), 0 call result(s)")
 	require.Contains(t, out, "txbox_inbox")
 	require.Contains(t, out, "DEAD ROWS")
 	require.Equal(t, 10, b.count(t, "txbox_inbox"))

@@ -16,12 +16,13 @@ func (a *app) retentionCommand() *cobra.Command {
 		Use:   "retention --broker-retention AGE [flags]",
 		Short: "delete inbox rows, attempt counters and call results txbox no longer needs",
 		Long: "Starts a new inbox generation every --inbox-generation and drops old generations whole once\n" +
-			"their newest row is past --inbox-retention (moving the rows that must stay). Deletes the\n" +
-			"processed inbox rows older than their generation, dead inbox rows whose letter was discarded,\n" +
-			"orphaned attempt counters and old call results, in small batches, then prints the tables'\n" +
-			"sizes. Runs once, or with --every until SIGINT or SIGTERM. Processed inbox rows are also kept for\n" +
-			"--inbox-retention before the oldest inbox letter in the DLQ, so a redrive stays a duplicate\n" +
-			"for the consumers that processed the message.",
+			"their newest row is past --inbox-retention (moving the rows that must stay); an older\n" +
+			"generation's rows go only with it. Deletes, in small batches, the current generation's\n" +
+			"processed inbox rows past --inbox-retention and dead ones whose letter was discarded, orphaned\n" +
+			"attempt counters and old call results, then prints the tables' sizes. Runs once, or with\n" +
+			"--every until SIGINT or SIGTERM. Processed inbox rows are also kept for --inbox-retention\n" +
+			"before the oldest inbox letter in the DLQ, so a redrive stays a duplicate for the consumers\n" +
+			"that processed the message.",
 		Args: usageArgs(cobra.NoArgs),
 	}
 	d := a.databaseFlags(cmd)
@@ -80,7 +81,7 @@ func (a *app) retentionCommand() *cobra.Command {
 		if rep.RotationDeferred {
 			fmt.Fprintln(a.stdout, "a new generation was due but deliveries in flight held it back; the next pass starts it")
 		}
-		fmt.Fprintf(a.stdout, "deleted %d processed and %d dead inbox row(s), %d attempt counter(s), %d call result(s) in %s\n",
+		fmt.Fprintf(a.stdout, "deleted one by one %d processed and %d dead inbox row(s) of the current generation, %d attempt counter(s), %d call result(s) in %s\n",
 			rep.DoneDeleted, rep.DeadDeleted, rep.AttemptsDeleted, rep.CallResultsDeleted, rep.Duration.Round(time.Millisecond))
 		if rep.OldestLetterAge > 0 {
 			fmt.Fprintf(a.stdout, "processed inbox rows received since %s are kept: the oldest inbox letter in the DLQ is %s old\n",
