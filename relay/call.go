@@ -183,14 +183,14 @@ func (l *lease) runCalls() bool {
 // side keeps per-key order.
 func (c *caller) cycle() (int, error) {
 	l, r := c.l, c.l.relay
-	rows, err := r.cfg.DB.Query(l.ctx, r.sql.readCalls, l.slots, c.cfg.BatchSize)
-	if err != nil {
-		return 0, fmt.Errorf("relay: read calls of shard %d: %w", l.shard, err)
-	}
-	batch, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (callRow, error) {
-		var p callRow
-		err := row.Scan(&p.id, &p.replyTopic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata, &p.key)
-		return p, err
+	var batch []callRow
+	err := r.read(l.ctx, r.sql.readCalls, []any{l.slots, c.cfg.BatchSize}, func(rows pgx.Rows) (err error) {
+		batch, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (callRow, error) {
+			var p callRow
+			err := row.Scan(&p.id, &p.replyTopic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata, &p.key)
+			return p, err
+		})
+		return err
 	})
 	if err != nil {
 		return 0, fmt.Errorf("relay: read calls of shard %d: %w", l.shard, err)

@@ -254,11 +254,11 @@ func (l *lease) next() ([]pendingRow, error) {
 		return batch, nil
 	}
 	r := l.relay
-	rows, err := r.cfg.DB.Query(l.ctx, r.sql.readMessages, l.slots, l.window, r.cfg.BatchBytes)
-	if err != nil {
-		return nil, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
-	}
-	batch, err := pgx.CollectRows(rows, scanPending)
+	var batch []pendingRow
+	err := r.read(l.ctx, r.sql.readMessages, []any{l.slots, l.window, r.cfg.BatchBytes}, func(rows pgx.Rows) (err error) {
+		batch, err = pgx.CollectRows(rows, scanPending)
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
 	}

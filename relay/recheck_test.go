@@ -28,12 +28,14 @@ type flakyDB struct {
 	failed   atomic.Int64
 }
 
-func (d *flakyDB) Begin(ctx context.Context) (pgx.Tx, error) {
-	if d.failNext.CompareAndSwap(true, false) {
+// SendBatch fails the next batch that begins a transaction (pgx's Batch.BeginTx queues its BEGIN
+// first), the way the relay starts every transaction.
+func (d *flakyDB) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if len(b.QueuedQueries) > 0 && strings.EqualFold(b.QueuedQueries[0].SQL, "begin") && d.failNext.CompareAndSwap(true, false) {
 		d.failed.Add(1)
-		return nil, errors.New("injected fault: connection reset by peer")
+		return pgx.FailedBatchResults(b, errors.New("injected fault: connection reset by peer"))
 	}
-	return d.Pool.Begin(ctx)
+	return d.Pool.SendBatch(ctx, b)
 }
 
 // When Kafka says the shard's producer was fenced, the relay asks the database whether its lease

@@ -28,6 +28,7 @@ import (
 // DB is what the relay needs from PostgreSQL; *pgxpool.Pool satisfies it.
 type DB interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 	Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
@@ -306,10 +307,50 @@ func (r *Relay) bounded(ctx context.Context, fn func(pgx.Tx) error) error {
 }
 
 // boundedWith is bounded with the statements first queues sent in the same round trip as the
-// bounds, before fn runs.
+// BEGIN and the bounds (pgx's Batch.BeginTx), before fn runs. Its statements run with generic plans
+// (genericPlans).
 func (r *Relay) boundedWith(ctx context.Context, first func(*pgx.Batch), fn func(pgx.Tx) error) error {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	r.queueBounds(b)
+	if first != nil {
+		first(b)
+	}
+	results := r.cfg.DB.SendBatch(ctx, b)
+	tx := results.Tx()
+	err := results.Close()
+	switch {
+	case tx == nil:
+		return errors.Join(err, errors.New("relay: Config.DB's SendBatch does not begin the transaction of a pgx.Batch.BeginTx"))
+	case err != nil:
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		if first == nil {
+			return fmt.Errorf("relay: bound transaction: %w", err)
+		}
+		return err
+	}
+	if err := fn(tx); err != nil {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+// read runs query, a read, outside a transaction, bounded as bounded's statements are, and with
+// generic plans, in one round trip: the batch is its own implicit transaction, which the bounds
+// last for.
+func (r *Relay) read(ctx context.Context, query string, args []any, scan func(pgx.Rows) error) error {
+	b := &pgx.Batch{}
+	r.queueBounds(b)
+	b.Queue(query, args...).Query(scan)
+	return r.cfg.DB.SendBatch(ctx, b).Close()
+}
+
+// queueBounds queues the relay's bounds (see bounded), and genericPlans.
+func (r *Relay) queueBounds(b *pgx.Batch) {
 	ttl := r.cfg.LeaseTTL
-	return inBoundedTx(ctx, r.cfg.DB, ttl/4, ttl, ttl/3, first, fn)
+	queueBounds(b, ttl/4, ttl, ttl/3)
+	b.Queue(genericPlans).Exec(func(pgconn.CommandTag) error { return nil })
 }
 
 // inBoundedTx runs a transaction of db with the given lock, statement and idle timeouts: its first
@@ -320,9 +361,8 @@ func inBoundedTx(ctx context.Context, db interface {
 }, lock, statement, idle time.Duration, first func(*pgx.Batch), fn func(pgx.Tx) error,
 ) error {
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		ms := func(d time.Duration) string { return strconv.FormatInt(max(d.Milliseconds(), 1), 10) }
 		b := &pgx.Batch{}
-		b.Queue(setBounds, ms(lock), ms(statement), ms(idle)).Exec(func(pgconn.CommandTag) error { return nil })
+		queueBounds(b, lock, statement, idle)
 		if first != nil {
 			first(b)
 		}
@@ -334,6 +374,12 @@ func inBoundedTx(ctx context.Context, db interface {
 		}
 		return fn(tx)
 	})
+}
+
+// queueBounds queues setBounds with the given lock, statement and idle timeouts.
+func queueBounds(b *pgx.Batch, lock, statement, idle time.Duration) {
+	ms := func(d time.Duration) string { return strconv.FormatInt(max(d.Milliseconds(), 1), 10) }
+	b.Queue(setBounds, ms(lock), ms(statement), ms(idle)).Exec(func(pgconn.CommandTag) error { return nil })
 }
 
 // timedOut reports whether err is a bounded wait running out (a lock, a statement, a session idle

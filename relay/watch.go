@@ -61,11 +61,11 @@ func (r *Relay) look(ctx context.Context) bool {
 	if len(parked) == 0 {
 		return false
 	}
-	rows, err := r.cfg.DB.Query(ctx, r.sql.dueSlots, slots)
 	var due []int16
-	if err == nil {
+	err := r.read(ctx, r.sql.dueSlots, []any{slots}, func(rows pgx.Rows) (err error) {
 		due, err = pgx.CollectRows(rows, pgx.RowTo[int16])
-	}
+		return err
+	})
 	if err != nil {
 		r.logDB("look for rows", err)
 		for _, l := range parked {
