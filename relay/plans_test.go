@@ -9,7 +9,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/relay"
 )
 
@@ -31,16 +30,8 @@ func TestTheRelayPlansItsStatementsOnce(t *testing.T) {
 	for range 8 { // more transactions than PostgreSQL's five custom plans
 		b.write(t, true, "k", 3)
 	}
-	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: kafkatest.Brokers(t), TransactionalIDPrefix: b.env.Schema})
-	require.NoError(t, err)
-	r, err := relay.New(relay.Config{DB: pool, Sink: sink, Schema: b.env.Schema, Shards: 1, BatchSize: 3, PollInterval: 10 * time.Millisecond})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
+	b.startRelay(t, func(cfg *relay.Config) {
+		cfg.DB, cfg.Shards, cfg.BatchSize = pool, 1, 3
 	})
 	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 20*time.Millisecond)
 
