@@ -25,12 +25,11 @@ import (
 	"github.com/txbox/txbox/outbox"
 )
 
-// DB is what the relay needs from PostgreSQL; *pgxpool.Pool satisfies it.
+// DB is what the relay needs from PostgreSQL; *pgxpool.Pool satisfies it. Every transaction and
+// read goes through SendBatch: a transaction begins in the batch of its first statements (pgx's
+// Batch.BeginTx).
 type DB interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
-	Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 

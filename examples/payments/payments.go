@@ -24,7 +24,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/prometheus/client_golang/prometheus"
@@ -487,7 +486,7 @@ func startRelays(ctx context.Context, o options, pool *pgxpool.Pool, brokers []s
 	// relay-a's crash is injected where a library user can reach: its HTTP client (the response
 	// to its relayCrashAtCall-th call is lost and it dies) and its database handle (from then on
 	// every statement fails, so it records nothing and renews no lease).
-	crashable := &crashableDB{Pool: pool}
+	crashable := &crashableDB{pool: pool}
 	var calls atomic.Int32
 	lossyA := lossy(http.DefaultTransport.(*http.Transport).Clone())
 	dying := roundTripFunc(func(req *http.Request) (*http.Response, error) {
@@ -539,38 +538,26 @@ func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { retu
 var errRelayCrashed = errors.New("relay-a has crashed (simulated): it reaches nothing any more")
 
 // crashableDB is the database as seen by a relay process that can die: once crashed, every
-// statement fails, so the relay can neither record anything nor renew its leases.
+// statement fails, so the relay can neither record anything nor renew its leases. It wraps the
+// pool rather than embedding it, so that a method relay.DB gains cannot bypass the crash.
 type crashableDB struct {
-	*pgxpool.Pool
+	pool    *pgxpool.Pool
 	crashed atomic.Bool
 }
 
-func (d *crashableDB) Begin(ctx context.Context) (pgx.Tx, error) {
+// SendBatch is how the relay begins its transactions (pgx's Batch.BeginTx) and reads.
+func (d *crashableDB) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	if d.crashed.Load() {
-		return nil, errRelayCrashed
+		return pgx.FailedBatchResults(b, errRelayCrashed)
 	}
-	return d.Pool.Begin(ctx)
-}
-
-func (d *crashableDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if d.crashed.Load() {
-		return pgconn.CommandTag{}, errRelayCrashed
-	}
-	return d.Pool.Exec(ctx, sql, args...)
-}
-
-func (d *crashableDB) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if d.crashed.Load() {
-		return nil, errRelayCrashed
-	}
-	return d.Pool.Query(ctx, sql, args...)
+	return d.pool.SendBatch(ctx, b)
 }
 
 func (d *crashableDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	if d.crashed.Load() {
 		return errRow{}
 	}
-	return d.Pool.QueryRow(ctx, sql, args...)
+	return d.pool.QueryRow(ctx, sql, args...)
 }
 
 type errRow struct{}
