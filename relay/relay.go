@@ -318,18 +318,17 @@ func (r *Relay) boundedWith(ctx context.Context, first func(*pgx.Batch), fn func
 	results := r.cfg.DB.SendBatch(ctx, b)
 	tx := results.Tx()
 	err := results.Close()
-	switch {
-	case tx == nil:
+	if tx == nil {
 		return errors.Join(err, errors.New("relay: Config.DB's SendBatch does not begin the transaction of a pgx.Batch.BeginTx"))
-	case err != nil:
-		_ = tx.Rollback(context.WithoutCancel(ctx))
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // A no-op after Commit; also when fn panics.
+	if err != nil {
 		if first == nil {
 			return fmt.Errorf("relay: bound transaction: %w", err)
 		}
 		return err
 	}
 	if err := fn(tx); err != nil {
-		_ = tx.Rollback(context.WithoutCancel(ctx))
 		return err
 	}
 	return tx.Commit(ctx)
