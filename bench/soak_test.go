@@ -357,14 +357,7 @@ func soakMessage(uuid string, n int) *message.Message {
 func (p *soakPipeline) sendCopies(ctx context.Context, t *testing.T, gap, window time.Duration) *sync.WaitGroup {
 	var wg sync.WaitGroup
 	wg.Go(func() {
-		tick := time.NewTicker(gap)
-		defer tick.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
+		every(ctx, gap, func() bool {
 			p.recentMu.Lock()
 			from := time.Now().Add(-window)
 			old := 0
@@ -374,7 +367,7 @@ func (p *soakPipeline) sendCopies(ctx context.Context, t *testing.T, gap, window
 			p.recent = p.recent[old:]
 			if len(p.recent) == 0 {
 				p.recentMu.Unlock()
-				continue
+				return true
 			}
 			orig := p.recent[rand.IntN(len(p.recent))]
 			p.recentMu.Unlock()
@@ -386,10 +379,11 @@ func (p *soakPipeline) sendCopies(ctx context.Context, t *testing.T, gap, window
 			})
 			if err != nil {
 				t.Errorf("copy: %v", err)
-				return
+				return false
 			}
 			p.copies.Add(1)
-		}
+			return true
+		})
 	})
 	return &wg
 }
@@ -464,12 +458,10 @@ func (p *soakPipeline) retain(t *testing.T, r soakRetention) (stop func() soakRe
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		tick := time.NewTicker(r.every)
-		defer tick.Stop()
-		for {
+		pass := func() bool {
 			rep, err := c.RunOnce(ctx)
 			if ctx.Err() != nil {
-				return
+				return false
 			}
 			stats.passes++
 			if err != nil {
@@ -488,14 +480,13 @@ func (p *soakPipeline) retain(t *testing.T, r soakRetention) (stop func() soakRe
 				if ctx.Err() == nil {
 					t.Errorf("count the inbox generations: %v", err)
 				}
-				return
+				return false
 			}
 			stats.maxGenerations = max(stats.maxGenerations, n)
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
+			return true
+		}
+		if pass() {
+			every(ctx, r.every, pass)
 		}
 	}()
 	stop = sync.OnceValue(func() soakRetentionStats {
@@ -533,14 +524,7 @@ func (p *soakPipeline) vacuum(t *testing.T, interval time.Duration) (stop func()
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		tick := time.NewTicker(interval)
-		defer tick.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
+		every(ctx, interval, func() bool {
 			start := time.Now()
 			var oldest time.Duration
 			err := p.ops.QueryRow(ctx, `SELECT coalesce(max(now() - xact_start), '0') FROM pg_stat_activity
@@ -552,12 +536,13 @@ func (p *soakPipeline) vacuum(t *testing.T, interval time.Duration) (stop func()
 				if ctx.Err() == nil {
 					t.Errorf("vacuum: %v", err)
 				}
-				return
+				return false
 			}
 			stats.rounds++
 			stats.longest = max(stats.longest, time.Since(start))
 			stats.oldestSnapshot = max(stats.oldestSnapshot, oldest)
-		}
+			return true
+		})
 	}()
 	stop = sync.OnceValue(func() soakVacuumStats {
 		cancel()
@@ -762,4 +747,20 @@ func signedSize(bytes int64) string {
 		return "−" + size(-bytes)
 	}
 	return "+" + size(bytes)
+}
+
+// every calls f every interval until ctx ends or f returns false.
+func every(ctx context.Context, interval time.Duration, f func() bool) {
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		if !f() {
+			return
+		}
+	}
 }
