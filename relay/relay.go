@@ -344,11 +344,10 @@ func (r *Relay) read(ctx context.Context, query string, args []any, scan func(pg
 	return r.cfg.DB.SendBatch(ctx, b).Close()
 }
 
-// queueBounds queues the relay's bounds (see bounded), and genericPlans.
+// queueBounds queues the relay's bounds (see bounded), with generic plans.
 func (r *Relay) queueBounds(b *pgx.Batch) {
 	ttl := r.cfg.LeaseTTL
-	queueBounds(b, ttl/4, ttl, ttl/3)
-	b.Queue(genericPlans).Exec(func(pgconn.CommandTag) error { return nil })
+	queueBounds(b, ttl/4, ttl, ttl/3, genericPlans)
 }
 
 // inBoundedTx runs a transaction of db with the given lock, statement and idle timeouts: its first
@@ -360,7 +359,7 @@ func inBoundedTx(ctx context.Context, db interface {
 ) error {
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		b := &pgx.Batch{}
-		queueBounds(b, lock, statement, idle)
+		queueBounds(b, lock, statement, idle, "")
 		if first != nil {
 			first(b)
 		}
@@ -374,10 +373,11 @@ func inBoundedTx(ctx context.Context, db interface {
 	})
 }
 
-// queueBounds queues setBounds with the given lock, statement and idle timeouts.
-func queueBounds(b *pgx.Batch, lock, statement, idle time.Duration) {
+// queueBounds queues setBounds with the given lock, statement and idle timeouts and plan mode
+// ("": the session's).
+func queueBounds(b *pgx.Batch, lock, statement, idle time.Duration, plans string) {
 	ms := func(d time.Duration) string { return strconv.FormatInt(max(d.Milliseconds(), 1), 10) }
-	b.Queue(setBounds, ms(lock), ms(statement), ms(idle)).Exec(func(pgconn.CommandTag) error { return nil })
+	b.Queue(setBounds, ms(lock), ms(statement), ms(idle), plans).Exec(func(pgconn.CommandTag) error { return nil })
 }
 
 // timedOut reports whether err is a bounded wait running out (a lock, a statement, a session idle

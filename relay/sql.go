@@ -12,17 +12,20 @@ import (
 // PostgreSQL ends the session ($3), all in milliseconds. A process frozen inside a transaction (a
 // GC pause, SIGSTOP, a VM freeze) then holds its locks for $3 at most, and nobody waits for a lock
 // longer than $1: a frozen process delays no one else's renewal.
+//
+// It also sets plan_cache_mode to $4, or leaves it as it is when $4 is empty. The relay's own
+// statements run with generic plans from their first execution on a connection (genericPlans):
+// PostgreSQL plans a prepared statement anew for each of its first five executions on a
+// connection, and a shard's read (bySlot, one branch per slot) took ~10 ms to plan on a new
+// connection and ~1.3 ms for each of the next four, which every shard paid on its own connection
+// at start-up, at once. The generic plans are the ones relay/scan_test.go proves bounded by the
+// batch. Admin's statements, whose optional filters want custom plans, pass ”.
 const setBounds = `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true),
-	set_config('idle_in_transaction_session_timeout', $3, true)`
+	set_config('idle_in_transaction_session_timeout', $3, true),
+	set_config('plan_cache_mode', coalesce(nullif($4::text, ''), current_setting('plan_cache_mode')), true)`
 
-// genericPlans makes the rest of a transaction's statements run with generic plans from their
-// first execution on a connection. PostgreSQL plans a prepared statement anew for each of its
-// first five executions on a connection: a shard's read (bySlot, one branch per slot) took ~10 ms
-// to plan on a new connection and ~1.3 ms for each of the next four, which every shard pays on its
-// own connection at start-up, at once. The generic plans are the ones relay/scan_test.go proves
-// bounded by the batch. Admin's statements, whose optional filters want custom plans, do not
-// take it.
-const genericPlans = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true)`
+// genericPlans is setBounds' $4 for the relay's own statements.
+const genericPlans = "force_generic_plan"
 
 type queries struct {
 	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
