@@ -225,10 +225,15 @@ func (r *Relay) Shards() map[int]int64 {
 
 // Run takes leases and publishes until ctx is cancelled, then finishes the batches in flight (for at
 // most one LeaseTTL, however long the broker takes to answer), gives its leases up so other relays
-// take over at once, and returns nil. It returns an error only when it cannot start.
+// take over at once, and returns nil. It returns an error only when it cannot start; a ctx cancelled
+// while it starts is a stop, not a failure: Run returns nil, having held nothing.
 func (r *Relay) Run(ctx context.Context) error {
 	failpoint.HitContext(ctx, "relay.before-start")
 	if err := r.prepareLeases(ctx); err != nil {
+		if ctx.Err() != nil && (errors.Is(err, ctx.Err()) || timedOut(err)) {
+			r.log.Info("relay stopped before it started", "error", err)
+			return nil
+		}
 		return err
 	}
 	r.log.Info("relay started", "shards", r.cfg.Shards, "lease_ttl", r.cfg.LeaseTTL)
@@ -291,7 +296,7 @@ func (r *Relay) prepareLeases(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return fmt.Errorf("relay: stopped before it could start: %w", err)
+			return err
 		case <-t.C:
 		}
 	}

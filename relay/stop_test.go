@@ -1,15 +1,19 @@
 package relay_test
 
 import (
+	"context"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/proctest"
 )
 
@@ -82,4 +86,27 @@ func closeOnce(ch chan struct{}) {
 	default:
 		close(ch)
 	}
+}
+
+// TestStopWhileStarting stops a relay that cannot start yet, because another session holds the
+// lease table's layout lock: Run retries its bounded waits until the stop, then returns nil, as a
+// stop at any other time does, holding nothing. (A process manager stopping a relay that is still
+// starting must not see it fail.)
+func TestStopWhileStarting(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	blocker, err := b.env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = blocker.Rollback(ctx) })
+	_, err = blocker.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended($1 || '.txbox_lease', 0))`, pgx.Identifier{b.env.Schema}.Sanitize())
+	require.NoError(t, err)
+
+	var logs proctest.Buffer
+	r, stop := b.runRelayOn(t, b.kafkaSink(t, kafkatest.Brokers(t), true), &logs, nil)
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "preparing the lease table timed out; retrying") },
+		30*time.Second, 10*time.Millisecond, "the relay waits for the layout lock")
+	stop()
+	require.Contains(t, logs.String(), "relay stopped before it started")
+	require.Empty(t, r.Shards())
 }
