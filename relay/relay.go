@@ -339,15 +339,24 @@ func (r *Relay) boundedWith(ctx context.Context, first func(*pgx.Batch), fn func
 	return tx.Commit(ctx)
 }
 
-// read runs query, a read, outside a transaction, bounded as bounded's statements are, and with
-// generic plans, in one round trip: the batch is its own implicit transaction, which the bounds
-// last for.
+// read runs query, a read, outside a transaction, bounded as bounded's statements are but for its
+// statement timeout (at least minReadTimeout), and with generic plans, in one round trip: the
+// batch is its own implicit transaction, which the bounds last for.
 func (r *Relay) read(ctx context.Context, query string, args []any, scan func(pgx.Rows) error) error {
 	b := &pgx.Batch{}
-	r.queueBounds(b)
+	ttl := r.cfg.LeaseTTL
+	queueBounds(b, ttl/4, max(ttl, minReadTimeout), ttl/3, genericPlans)
 	b.Queue(query, args...).Query(scan)
 	return r.cfg.DB.SendBatch(ctx, b).Close()
 }
+
+// minReadTimeout is the least statement timeout of a read outside a transaction. Such a read holds
+// no lock anyone waits for, so a slow one delays only its own shard; but its first run on a
+// connection includes planning it, which for a shard of many slots takes hundreds of milliseconds
+// on an idle server (~300 ms for the 256 slots of --shards 1) and several times that on a busy
+// one. A read cut short is planned again at its next attempt, so a timeout of one short LeaseTTL
+// could stall the shard for good.
+const minReadTimeout = 10 * time.Second
 
 // queueBounds queues the relay's bounds (see bounded), with generic plans.
 func (r *Relay) queueBounds(b *pgx.Batch) {
