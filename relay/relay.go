@@ -316,7 +316,7 @@ func (r *Relay) bounded(ctx context.Context, fn func(pgx.Tx) error) error {
 func (r *Relay) boundedWith(ctx context.Context, first func(*pgx.Batch), fn func(pgx.Tx) error) error {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{})
-	r.queueBounds(b)
+	r.queueBounds(b, r.cfg.LeaseTTL)
 	if first != nil {
 		first(b)
 	}
@@ -344,8 +344,7 @@ func (r *Relay) boundedWith(ctx context.Context, first func(*pgx.Batch), fn func
 // batch is its own implicit transaction, which the bounds last for.
 func (r *Relay) read(ctx context.Context, query string, args []any, scan func(pgx.Rows) error) error {
 	b := &pgx.Batch{}
-	ttl := r.cfg.LeaseTTL
-	queueBounds(b, ttl/4, max(ttl, minReadTimeout), ttl/3, genericPlans)
+	r.queueBounds(b, max(r.cfg.LeaseTTL, minReadTimeout))
 	b.Queue(query, args...).Query(scan)
 	return r.cfg.DB.SendBatch(ctx, b).Close()
 }
@@ -358,10 +357,11 @@ func (r *Relay) read(ctx context.Context, query string, args []any, scan func(pg
 // could stall the shard for good.
 const minReadTimeout = 10 * time.Second
 
-// queueBounds queues the relay's bounds (see bounded), with generic plans.
-func (r *Relay) queueBounds(b *pgx.Batch) {
+// queueBounds queues the relay's bounds (see bounded) with the given statement timeout, and with
+// generic plans.
+func (r *Relay) queueBounds(b *pgx.Batch, statement time.Duration) {
 	ttl := r.cfg.LeaseTTL
-	queueBounds(b, ttl/4, ttl, ttl/3, genericPlans)
+	queueBounds(b, ttl/4, statement, ttl/3, genericPlans)
 }
 
 // inBoundedTx runs a transaction of db with the given lock, statement and idle timeouts: its first

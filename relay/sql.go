@@ -19,7 +19,7 @@ import (
 // connection, and a shard's read (bySlot, one branch per slot) took ~10 ms to plan on a new
 // connection and ~1.3 ms for each of the next four, which every shard paid on its own connection
 // at start-up, at once. The generic plans are the ones relay/scan_test.go proves bounded by the
-// batch. Admin's statements, whose optional filters want custom plans, pass ”.
+// batch. Admin's statements, whose optional filters want custom plans, pass "".
 const setBounds = `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true),
 	set_config('idle_in_transaction_session_timeout', $3, true),
 	set_config('plan_cache_mode', coalesce(nullif($4::text, ''), current_setting('plan_cache_mode')), true)`

@@ -162,8 +162,8 @@ ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 // ({generation}, filled in by Cleaner.inGeneration) rather than filter the inbox by generation:
 // the table's own received_at index finds the due rows, where a filter on the generation, which
 // every row of the partition matches, can lead the planner to read all of it through its primary
-// key (as it did on a partition without statistics). Should another Cleaner rotate meanwhile, a pass deletes from a
-// generation just made old: harmless, the rows are due.
+// key (as it did on a partition without statistics). Should another Cleaner rotate meanwhile, a
+// pass deletes from a generation just made old: harmless, the rows are due.
 //
 // Each delete takes one batch: it picks at most $2 rows by ctid, skipping rows another session has
 // locked, and deletes them in one short statement. The conditions are repeated outside the
