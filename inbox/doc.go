@@ -41,7 +41,7 @@
 // # Attempts and dead letters
 //
 // With MaxAttempts set, each delivery writes a crash marker in its own small transaction before the
-// handler runs. A message that fails, or kills the process, MaxAttempts times is moved to the
+// handler runs, committed in the round trip that opens the handler's transaction, just before it. A message that fails, or kills the process, MaxAttempts times is moved to the
 // dead-letter table on its next delivery and acknowledged. A crash takes down every message in
 // flight, so a marker left by one only makes its message a suspect: a suspect runs alone in its
 // process (no other delivery of the Inbox runs meanwhile), and a crash counts against a message only

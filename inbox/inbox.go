@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -138,6 +139,9 @@ type Inbox struct {
 
 	tokensMu sync.Mutex
 	tokens   map[stream]int64 // highest fencing token seen per ordered stream
+
+	// duplicates says that the last delivery counted was a duplicate (see handle).
+	duplicates atomic.Bool
 
 	// crashDomain makes a crash attributable: a crash suspect runs while no other message of the
 	// inbox does (it takes it exclusively, every other delivery shared), so if the process dies
@@ -298,25 +302,50 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 	ib.observeToken(ctx, msg, shard, token)
 
 	attempts, alone := 0, false
+	var (
+		tx   pgx.Tx
+		herr error
+	)
 	if ib.cfg.MaxAttempts > 0 {
-		var (
-			lastErr *string
-			suspect bool
-		)
 		// The crash marker is written before the handler runs: a crash inside the handler leaves it.
-		err := ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, ib.args(sc)...).Scan(&attempts, &lastErr, &suspect)
-		if errors.Is(err, pgx.ErrNoRows) {
+		// It goes in the round trip that opens the handler's transaction, before it, so a fresh
+		// message pays no round trip for it; a delivery holds the crash domain shared from then on,
+		// so none starts while a suspect runs alone.
+		ib.crashDomain.RLock()
+		mark := marker{args: ib.args(sc)}
+		if ib.duplicates.Load() {
+			// Redeliveries come in runs (a consumer restarted, a group reset): this one is most
+			// likely a duplicate too, which the marker alone answers in one round trip, where the
+			// transaction opened with it would cost a second one to end.
+			herr = ib.count(ctx, &mark)
+			if herr == nil && !mark.settled && !mark.suspect && mark.attempts < ib.cfg.MaxAttempts {
+				tx, herr = ib.open(ctx, msg, sc, shard, token, nil)
+			}
+		} else {
+			tx, herr = ib.open(ctx, msg, sc, shard, token, &mark)
+		}
+		ib.duplicates.Store(mark.settled || errors.Is(herr, errTaken))
+		if !mark.committed {
+			ib.crashDomain.RUnlock()
+			return fmt.Errorf("inbox: count attempt of %s: %w", key, herr)
+		}
+		attempts = mark.attempts
+		switch {
+		case mark.settled:
+			ib.crashDomain.RUnlock()
 			ib.hit(ctx, sc)
-			return nil // Processed (or dead) before: the inbox row exists.
-		}
-		if err != nil {
-			return fmt.Errorf("inbox: count attempt of %s: %w", key, err)
-		}
-		if suspect {
+			return nil // Processed (or dead) before: the inbox row exists, and open found it too.
+		case errors.Is(herr, errTaken):
+			defer ib.crashDomain.RUnlock() // Settled while this delivery waited for it: see below.
+		case mark.suspect:
+			// The transaction opened for the handler holds the message's rows, which running alone
+			// writes: it ends first.
+			rollback(ctx, tx)
+			ib.crashDomain.RUnlock()
 			failpoint.HitContext(ctx, "inbox.before-run-alone")
 			ib.crashDomain.Lock()
 			defer ib.crashDomain.Unlock()
-			err := ib.cfg.DB.QueryRow(ctx, ib.sql.runAlone, ib.args(sc, ib.cfg.MaxAttempts)...).Scan(&attempts, &lastErr, &alone)
+			err := ib.cfg.DB.QueryRow(ctx, ib.sql.runAlone, ib.args(sc, ib.cfg.MaxAttempts)...).Scan(&attempts, &mark.lastErr, &alone)
 			switch {
 			case errors.Is(err, pgx.ErrNoRows):
 				// The counter is gone: another delivery settled the message meanwhile, which the
@@ -326,22 +355,24 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 				return fmt.Errorf("inbox: run %s alone: %w", key, err)
 			case !alone:
 				// Nothing to give back: the statement ended the attempt it would have started.
-				return ib.exhausted(ctx, msg, sc, attempts, lastErr)
+				return ib.exhausted(ctx, msg, sc, attempts, mark.lastErr)
 			}
-		} else {
-			if attempts >= ib.cfg.MaxAttempts {
-				err := ib.exhausted(ctx, msg, sc, attempts, lastErr)
-				if err != nil {
-					ib.endAttempt(ctx, sc, false, true, err) // This delivery did nothing.
-				}
-				return err
+			tx, herr = ib.open(ctx, msg, sc, shard, token, nil)
+		case attempts >= ib.cfg.MaxAttempts:
+			rollback(ctx, tx) // It holds the message's inbox row, which the dead letter's writes.
+			ib.crashDomain.RUnlock()
+			err := ib.exhausted(ctx, msg, sc, attempts, mark.lastErr)
+			if err != nil {
+				ib.endAttempt(ctx, sc, false, true, err) // This delivery did nothing.
 			}
+			return err
+		default:
 			attempts++ // This one.
-			ib.crashDomain.RLock()
 			defer ib.crashDomain.RUnlock()
 		}
+	} else {
+		tx, herr = ib.open(ctx, msg, sc, shard, token, nil)
 	}
-	tx, herr := ib.open(ctx, msg, sc, shard, token)
 	if errors.Is(herr, errTaken) {
 		ib.hit(ctx, sc)
 		ib.forgetAttempts(ctx, sc)
@@ -349,6 +380,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 	}
 	transient := true // The handler never ran.
 	if herr == nil {
+		failpoint.HitContext(ctx, "inbox.after-insert")
 		transient, herr = ib.process(ctx, msg, h, sc, tx)
 	}
 	switch {
@@ -440,19 +472,21 @@ func (s scope) logFields() watermill.LogFields {
 	return watermill.LogFields{"handler": s.handler, "dedup_key": s.key}
 }
 
-// open begins the handler's transaction with the message's inbox row in it (see beginWithRow). Its
-// error is errTaken when the message is settled.
-func (ib *Inbox) open(ctx context.Context, msg *message.Message, sc scope, shard *int32, token *int64) (pgx.Tx, error) {
+// open begins the handler's transaction with the message's inbox row in it (see beginWithRow),
+// writing mark first when it is not nil. Its error is errTaken when the message is settled.
+func (ib *Inbox) open(ctx context.Context, msg *message.Message, sc scope, shard *int32, token *int64, mark *marker) (pgx.Tx, error) {
 	failpoint.HitContext(ctx, "inbox.before-begin")
-	tx, tag, err := ib.beginWithRow(ctx, ib.sql.insertInbox, ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token))
-	if err == nil && tag.RowsAffected() == 0 {
-		_ = tx.Rollback(context.WithoutCancel(ctx))
+	tx, tag, err := ib.beginWithRow(ctx, ib.sql.insertInbox, ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token), mark)
+	switch {
+	case err != nil && mark != nil && !mark.committed:
+		return nil, err // The marker's: the caller says so.
+	case err == nil && tag.RowsAffected() == 0:
+		rollback(ctx, tx)
 		err = errTaken
 	}
 	if err != nil {
 		return nil, fmt.Errorf("inbox: insert %s: %w", sc.key, err)
 	}
-	failpoint.HitContext(ctx, "inbox.after-insert")
 	return tx, nil
 }
 
@@ -460,13 +494,48 @@ func (ib *Inbox) open(ctx context.Context, msg *message.Message, sc scope, shard
 // delivery while this one started.
 var errTaken = errors.New("the message is settled")
 
+// marker is a delivery's crash marker (countAttemptSQL): its arguments, and its answer once committed.
+type marker struct {
+	args      []any
+	committed bool
+	settled   bool // The message has an inbox row: no marker was written.
+	attempts  int
+	lastErr   *string
+	suspect   bool
+}
+
+// read takes the marker's answer from row.
+func (m *marker) read(row pgx.Row) error {
+	err := row.Scan(&m.attempts, &m.lastErr, &m.suspect)
+	if m.settled = errors.Is(err, pgx.ErrNoRows); m.settled {
+		return nil
+	}
+	return err
+}
+
+// count writes mark in a round trip of its own.
+func (ib *Inbox) count(ctx context.Context, mark *marker) error {
+	err := mark.read(ib.cfg.DB.QueryRow(ctx, ib.sql.countAttempt, mark.args...))
+	mark.committed = err == nil
+	return err
+}
+
 // beginWithRow begins a transaction and runs insert, the statement that inserts the message's inbox
 // row, as its first, after the generation lock (lockGenerationSQL): all three in one round trip
 // (pgx's Batch.BeginTx), each a statement of its own, so that the insert's snapshot is taken once
 // the lock is held. On error, the transaction is over.
-func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any) (pgx.Tx, pgconn.CommandTag, error) {
+//
+// A crash marker, when mark is not nil, goes first in the same round trip, in a transaction of its
+// own that commits before the other begins: the server runs them one after the other, so the
+// marker is committed before the inbox row's statements run, and before the handler can.
+func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any, mark *marker) (pgx.Tx, pgconn.CommandTag, error) {
 	batch := &pgx.Batch{}
 	batch.BeginTx(pgx.TxOptions{})
+	if mark != nil {
+		batch.Queue(ib.sql.countAttempt, mark.args...)
+		batch.Queue("commit")
+		batch.Queue("begin")
+	}
 	batch.Queue(ib.sql.lockGeneration, ib.bounds[0], ib.bounds[1])
 	batch.Queue(insert, args...)
 	results := ib.cfg.DB.SendBatch(ctx, batch)
@@ -475,8 +544,17 @@ func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any) (p
 		tag pgconn.CommandTag
 		err error
 	)
-	for range batch.QueuedQueries {
-		if tag, err = results.Exec(); err != nil {
+	for i := range batch.QueuedQueries {
+		switch {
+		case mark == nil || i > 2:
+			tag, err = results.Exec()
+		case i == 1:
+			err = mark.read(results.QueryRow())
+		default: // The begin of either transaction, or the marker's commit.
+			_, err = results.Exec()
+			mark.committed = err == nil && i == 2
+		}
+		if err != nil {
 			break
 		}
 	}
@@ -485,10 +563,17 @@ func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any) (p
 	case tx == nil:
 		return nil, tag, errors.Join(err, errors.New("Config.DB's SendBatch does not begin the transaction of a pgx.Batch.BeginTx"))
 	case err != nil:
-		_ = tx.Rollback(context.WithoutCancel(ctx))
+		rollback(ctx, tx)
 		return nil, tag, err
 	}
 	return tx, tag, nil
+}
+
+// rollback ends tx, if there is one, even when ctx is cancelled.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	if tx != nil {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+	}
 }
 
 // process runs h in tx, which holds the message's inbox row, and commits; tx is over when it
@@ -539,7 +624,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 		sc.key = ib.fallbackKey(ctx, msg)
 	}
 	uuid := pgtext.Sanitize(msg.UUID)
-	tx, tag, err := ib.beginWithRow(ctx, ib.sql.insertDead, ib.args(sc, uuid, message.SubscribeTopicFromCtx(ctx)))
+	tx, tag, err := ib.beginWithRow(ctx, ib.sql.insertDead, ib.args(sc, uuid, message.SubscribeTopicFromCtx(ctx)), nil)
 	if err != nil {
 		return fmt.Errorf("inbox: mark %s dead: %w", sc.key, err)
 	}

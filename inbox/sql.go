@@ -53,8 +53,10 @@ const asyncCommit = `(SELECT set_config('synchronous_commit', 'off', true)) AS a
 // countAttemptSQL writes the crash marker of a delivery before its handler runs: one more unfinished
 // attempt. It returns the message's failed attempts, its last error and whether it is a crash suspect:
 // an attempt before this one never ended (the process crashed, or another instance is processing
-// it), or it ran alone last. It returns no row when the message already has an inbox row: the cheap
-// path for duplicates, taken without opening the handler's transaction.
+// it), or it ran alone last. It returns no row when the message already has an inbox row, and then
+// writes nothing. It is sent in the round trip that opens the handler's transaction, in a
+// transaction of its own before that one (Inbox.beginWithRow), so its answer comes with the
+// transaction: a duplicate then ends the transaction unused.
 const countAttemptSQL = `
 INSERT INTO {schema}.txbox_inbox_attempt AS a (consumer, dedup_key, handler, attempts, unfinished)
 SELECT $1, $2, $3, 0, 1
