@@ -83,7 +83,8 @@ func runBilling(ctx context.Context, pool *pgxpool.Pool, brokers []string, logge
 	if err != nil {
 		return err
 	}
-	sub, err := kafka.NewSubscriber(kafkasub.SubscriberConfig(brokers, "billing"), logger) // read_committed
+	// read_committed; one subscriber, in a consumer group of its own, per handler (below)
+	sub, err := kafkasub.NewSubscriber(kafkasub.SubscriberConfig(brokers, "billing.debit"), logger)
 	if err != nil {
 		return err
 	}

@@ -248,7 +248,7 @@ func run(ctx context.Context, o options) (rep report, err error) {
 		if err != nil {
 			return rep, err
 		}
-		sub, err := kafka.NewSubscriber(kafkasub.SubscriberConfig(brokers, h.consumer+"-"+runID), wlog)
+		sub, err := kafkasub.NewSubscriber(kafkasub.SubscriberConfig(brokers, h.consumer+"-"+runID), wlog)
 		if err != nil {
 			return rep, err
 		}

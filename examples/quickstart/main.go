@@ -92,7 +92,7 @@ func run(ctx context.Context, out io.Writer, dsn string, brokers []string) error
 	if err != nil {
 		return err
 	}
-	sub, err := kafka.NewSubscriber(kafkasub.SubscriberConfig(brokers, "billing"), wlog)
+	sub, err := kafkasub.NewSubscriber(kafkasub.SubscriberConfig(brokers, "billing.invoice"), wlog)
 	if err != nil {
 		return err
 	}
