@@ -144,6 +144,7 @@ func (l *lease) runCalls() bool {
 		return false
 	}
 	c := &caller{l: l, cfg: cfg, client: newStripeClient(&cfg), replies: replies, m: metrics.NewCalls(r.cfg.Registerer, r.cfg.Schema)}
+	defer r.calling.settle(l.shard, 0)
 	for {
 		select {
 		case <-l.stop:
@@ -161,12 +162,12 @@ func (l *lease) runCalls() bool {
 		case err != nil:
 			c.failures++
 			if c.failures == 1 {
-				r.log.Error("executing calls failed; retrying with backoff", "shard", l.shard, "error", err)
+				r.calling.fail(l.shard, err)
 			}
 			l.wait(backoff(c.failures))
 		default:
 			if c.failures > 0 {
-				r.log.Info("executing calls recovered", "shard", l.shard, "failed_attempts", c.failures)
+				r.calling.settle(l.shard, c.failures)
 				c.failures = 0
 			}
 			// A batch holds one call per key, so a key with a backlog of calls has its next one

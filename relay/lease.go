@@ -86,6 +86,7 @@ func (l *lease) run() (fenced bool) {
 		if pub != nil {
 			_ = pub.Close()
 		}
+		r.publishing.settle(l.shard, 0)
 	}()
 	for {
 		select {
@@ -140,7 +141,7 @@ func (l *lease) run() (fenced bool) {
 			l.failures++
 			r.metrics.PublishErrors.Inc()
 			if l.failures == 1 {
-				r.log.Error("publishing failed; retrying with backoff", "shard", l.shard, "error", err)
+				r.publishing.fail(l.shard, err)
 			}
 			// A failed Kafka transaction can leave the producer unusable; a fresh one is cheap.
 			if pub != nil {
@@ -150,7 +151,7 @@ func (l *lease) run() (fenced bool) {
 			l.wait(backoff(l.failures))
 		default:
 			if l.failures > 0 {
-				r.log.Info("publishing recovered", "shard", l.shard, "failed_attempts", l.failures)
+				r.publishing.settle(l.shard, l.failures)
 				l.failures = 0
 			}
 			if !more {

@@ -20,7 +20,8 @@ import (
 )
 
 // While Kafka refuses every connection the relay backs off, logs the outage once rather than on
-// every retry, and publishes everything once Kafka is back. The outage needs a broker of the
+// every retry or for every shard (each of the four opens its producer, and fails), and publishes
+// everything once Kafka is back. The outage needs a broker of the
 // test's own that it can break, so this test always uses an in-process cluster.
 func TestRelayRidesOutAKafkaOutage(t *testing.T) {
 	t.Parallel()
@@ -47,7 +48,7 @@ func TestRelayRidesOutAKafkaOutage(t *testing.T) {
 	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers, TransactionalIDPrefix: b.env.Schema})
 	require.NoError(t, err)
 	r, err := relay.New(relay.Config{
-		DB: b.env.Pool, Sink: sink, Schema: b.env.Schema, Shards: 1,
+		DB: b.env.Pool, Sink: sink, Schema: b.env.Schema, Shards: 4,
 		LeaseTTL: 2 * time.Second, PollInterval: 10 * time.Millisecond,
 		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
 	})
@@ -85,6 +86,7 @@ func TestRelayRidesOutAKafkaOutage(t *testing.T) {
 	}
 	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "publishing recovered") }, 10*time.Second, 10*time.Millisecond)
+	require.Equal(t, 1, strings.Count(logs.String(), "publishing recovered"), "once, when the last shard recovers:\n%s", logs.String())
 	require.Equal(t, 1, strings.Count(logs.String(), "publishing failed"),
 		"the outage is logged once, not on every retry:\n%s", logs.String())
 }

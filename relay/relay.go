@@ -128,6 +128,9 @@ type Relay struct {
 	tracer  trace.Tracer
 	kafka   bool // the sink is Kafka, for the spans' messaging.system
 
+	// publishing and calling log an outage of Kafka or of the calls' provider once per relay.
+	publishing, calling *outage
+
 	// active tells watch that a shard published rows: more are likely soon.
 	active chan struct{}
 
@@ -196,16 +199,19 @@ func New(cfg Config) (*Relay, error) {
 		cfg.TracerProvider = otel.GetTracerProvider()
 	}
 	_, kafka := cfg.Sink.(*KafkaSink)
+	log := cfg.Logger.With("relay", cfg.Owner)
 	return &Relay{
-		cfg:     cfg,
-		sql:     renderQueries(schema, outbox.Slots/cfg.Shards),
-		dead:    dead,
-		log:     cfg.Logger.With("relay", cfg.Owner),
-		metrics: metrics.NewRelay(cfg.Registerer, cfg.Schema),
-		tracer:  cfg.TracerProvider.Tracer(tracerName),
-		kafka:   kafka,
-		held:    map[int]*lease{},
-		active:  make(chan struct{}, 1),
+		cfg:        cfg,
+		sql:        renderQueries(schema, outbox.Slots/cfg.Shards),
+		dead:       dead,
+		log:        log,
+		metrics:    metrics.NewRelay(cfg.Registerer, cfg.Schema),
+		tracer:     cfg.TracerProvider.Tracer(tracerName),
+		kafka:      kafka,
+		publishing: newOutage(log, "publishing failed; retrying with backoff", "publishing recovered"),
+		calling:    newOutage(log, "executing calls failed; retrying with backoff", "executing calls recovered"),
+		held:       map[int]*lease{},
+		active:     make(chan struct{}, 1),
 	}, nil
 }
 
