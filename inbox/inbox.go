@@ -163,6 +163,9 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	if cfg.Consumer == "" {
 		return nil, errors.New("inbox: Config.Consumer is required: it names the consumer that deduplication is scoped to")
 	}
+	if !pgtext.Valid(cfg.Consumer) {
+		return nil, fmt.Errorf("inbox: Config.Consumer %q is not valid UTF-8 or contains NUL: the database cannot store it", cfg.Consumer)
+	}
 	schema, err := sqlname.Schema(cfg.Schema)
 	if err != nil {
 		return nil, fmt.Errorf("inbox: Config.Schema: %w", err)

@@ -296,6 +296,9 @@ func TestConfigIsValidated(t *testing.T) {
 	require.ErrorContains(t, err, "Config.DB")
 	_, err = inbox.New(inbox.Config{DB: env.Pool, Consumer: "c", Schema: "Bad-Name"}, nil)
 	require.ErrorContains(t, err, "Config.Schema")
+	// The database could store no row of such a consumer: every message would fail, forever.
+	_, err = inbox.New(inbox.Config{DB: env.Pool, Consumer: "bad\x00name"}, nil)
+	require.ErrorContains(t, err, "Config.Consumer")
 }
 
 // metric sums a counter family's values.

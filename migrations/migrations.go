@@ -175,6 +175,9 @@ func newProvider(ctx context.Context, db *sql.DB, m mode, opts []Option) (*goose
 	for _, opt := range opts {
 		opt(&o)
 	}
+	if o.schema == "" {
+		o.schema = sqlname.DefaultSchema // As everywhere else: WithSchema("") is the default.
+	}
 	quoted, err := sqlname.Schema(o.schema)
 	if err != nil {
 		return nil, fmt.Errorf("migrations: %w", err)

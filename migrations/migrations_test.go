@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/txbox/txbox/internal/pgtest"
+	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/migrations"
 )
 
@@ -186,10 +187,38 @@ func TestSearchPathIsResetAfterwards(t *testing.T) {
 func TestSchemaNamesAreValidated(t *testing.T) {
 	t.Parallel()
 	db := open(t, pgtest.AdminURL(t))
-	for _, name := range []string{`x"; DROP TABLE y; --`, "information_schema", "pg_catalog", "pg_toast"} {
+	for _, name := range []string{`x"; DROP TABLE y; --`, "information_schema", "pg_catalog", "pg_toast", "select", "user"} {
 		_, err := migrations.Up(context.Background(), db, migrations.WithSchema(name))
 		require.Error(t, err, name)
 	}
+	require.False(t, schemaExists(t, db, "select"), "a refused name is refused before anything is created")
+
+	// Every word this server will not take as an unquoted schema name is refused up front, not
+	// after the schema was created, when goose meets its version table's name.
+	rows, err := db.Query(`SELECT word FROM pg_get_keywords() WHERE catcode IN ('R', 'T')`)
+	require.NoError(t, err)
+	defer rows.Close()
+	var words int
+	for rows.Next() {
+		var word string
+		require.NoError(t, rows.Scan(&word))
+		_, err := sqlname.Schema(word)
+		require.ErrorContains(t, err, "reserves", word)
+		words++
+	}
+	require.NoError(t, rows.Err())
+	require.Greater(t, words, 50)
+}
+
+// WithSchema("") means the default schema, as an empty Config.Schema does everywhere else.
+func TestEmptySchemaIsTheDefault(t *testing.T) {
+	t.Parallel()
+	db := open(t, pgtest.NewDatabase(t))
+	_, err := migrations.Up(context.Background(), db, migrations.WithSchema(""))
+	require.NoError(t, err)
+	require.Contains(t, tables(t, db, sqlname.DefaultSchema), "txbox_outbox")
+	_, err = migrations.Status(context.Background(), db, migrations.WithSchema(""))
+	require.NoError(t, err)
 }
 
 // The inbox becomes generation 0 of the partitioned inbox with its rows, and the prepared

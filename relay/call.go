@@ -81,6 +81,25 @@ type CallConfig struct {
 	MaxResultBytes int
 }
 
+// apiKeyProblem says what is wrong with a Stripe API key, or "" if nothing is, without quoting it:
+// it goes in an HTTP header, and only a secret or a restricted key may make calls. Caught here, a
+// pasted key with a trailing newline or the publishable key stops the relay at start-up rather
+// than failing every call, retried forever.
+func apiKeyProblem(key string) string {
+	for _, r := range key {
+		if r <= ' ' || r > '~' {
+			return "contains a space, a control character (a trailing newline?) or non-ASCII text"
+		}
+	}
+	switch {
+	case strings.HasPrefix(key, "pk_"):
+		return "is a publishable key (pk_...); the relay needs a secret key (sk_...) or a restricted key (rk_...)"
+	case !strings.HasPrefix(key, "sk_") && !strings.HasPrefix(key, "rk_"):
+		return "is not a secret key (sk_...) or a restricted key (rk_...)"
+	}
+	return ""
+}
+
 // resolve returns c with its defaults filled in for a relay with leaseTTL, or an error naming the
 // first bad setting.
 func (c CallConfig) resolve(leaseTTL time.Duration) (CallConfig, error) {
@@ -89,6 +108,9 @@ func (c CallConfig) resolve(leaseTTL time.Duration) (CallConfig, error) {
 	}
 	if c.APIKey == "" {
 		return c, fmt.Errorf("relay: CallConfig.APIKey: no Stripe API key; set the %s environment variable", APIKeyEnvVar)
+	}
+	if problem := apiKeyProblem(c.APIKey); problem != "" {
+		return c, fmt.Errorf("relay: CallConfig.APIKey: the Stripe API key (%s) %s", APIKeyEnvVar, problem)
 	}
 	if c.BaseURL == "" {
 		c.BaseURL = DefaultStripeURL

@@ -498,11 +498,22 @@ func TestCallConfigValidation(t *testing.T) {
 		{APIKey: stripetest.TestKey, BaseURL: "api.stripe.com"},
 		{APIKey: stripetest.TestKey, MinBackoff: time.Minute, MaxBackoff: time.Second},
 		{APIKey: stripetest.TestKey, Timeout: -time.Second},
+		{APIKey: "pk_test_publishable"},
+		{APIKey: "sk_test_pasted\n"},
+		{APIKey: "sk_test_a\r\nX-Evil: 1"},
+		{APIKey: "not-a-key"},
 	} {
 		_, err := relay.New(relay.Config{DB: b.env.Pool, Sink: b.sink, Schema: b.env.Schema, Calls: &c})
 		require.Error(t, err, "%+v", c)
+		if c.APIKey != stripetest.TestKey {
+			require.ErrorContains(t, err, relay.APIKeyEnvVar)
+			require.NotContains(t, err.Error(), strings.TrimSpace(c.APIKey), "the key is never quoted")
+		}
 	}
 	_, err := relay.New(relay.Config{DB: b.env.Pool, Sink: b.sink, Schema: b.env.Schema,
+		Calls: &relay.CallConfig{APIKey: "rk_live_restricted"}})
+	require.NoError(t, err, "a restricted key")
+	_, err = relay.New(relay.Config{DB: b.env.Pool, Sink: b.sink, Schema: b.env.Schema,
 		Calls: &relay.CallConfig{APIKey: stripetest.TestKey, ReplayWindow: 23*time.Hour + 59*time.Minute}})
 	require.NoError(t, err)
 }

@@ -37,6 +37,9 @@ func TestConfigValidation(t *testing.T) {
 		{"Config.BatchSize", func(c *relay.Config) { c.BatchSize = 1 << 20 }},
 		{"Config.PollInterval", func(c *relay.Config) { c.PollInterval = -time.Millisecond }},
 		{"Config.PollInterval", func(c *relay.Config) { c.PollInterval = time.Hour }},
+		{"Config.PollInterval", func(c *relay.Config) { c.PollInterval = time.Nanosecond }},
+		{"Config.Owner", func(c *relay.Config) { c.Owner = "relay\x00a" }},
+		{"CallConfig.APIKey", calls(func(c *relay.CallConfig) { c.APIKey = "pk_live_publishable" })},
 		{"Config.StatsInterval", func(c *relay.Config) { c.StatsInterval = -time.Second }},
 		{"Config.StatsInterval", func(c *relay.Config) { c.StatsInterval = 48 * time.Hour }},
 		{"Config.MaxPublishAttempts", func(c *relay.Config) { c.MaxPublishAttempts = -1 }},
@@ -73,6 +76,8 @@ func TestConfigValidation(t *testing.T) {
 	}{
 		{"KafkaConfig.Brokers", relay.KafkaConfig{}},
 		{"KafkaConfig.Brokers", relay.KafkaConfig{Brokers: []string{"127.0.0.1:9092", ""}}},
+		{"KafkaConfig.Brokers", relay.KafkaConfig{Brokers: []string{"localhost"}}},
+		{"KafkaConfig.Brokers", relay.KafkaConfig{Brokers: []string{" k1:9092"}}},
 		{"KafkaConfig.TransactionalIDPrefix", relay.KafkaConfig{Brokers: []string{"127.0.0.1:9092"}, TransactionalIDPrefix: "with\nnewline"}},
 		{"KafkaConfig.Sarama", relay.KafkaConfig{Brokers: []string{"127.0.0.1:9092"}, Sarama: func() *sarama.Config {
 			c := sarama.NewConfig()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -58,8 +59,8 @@ func NewKafkaSink(cfg KafkaConfig) (*KafkaSink, error) {
 		return nil, errors.New("relay: KafkaConfig.Brokers is required")
 	}
 	for _, b := range cfg.Brokers {
-		if strings.TrimSpace(b) == "" {
-			return nil, fmt.Errorf("relay: KafkaConfig.Brokers has an empty address: %q", cfg.Brokers)
+		if _, port, err := net.SplitHostPort(b); err != nil || port == "" || strings.TrimSpace(b) != b {
+			return nil, fmt.Errorf("relay: KafkaConfig.Brokers: %q is not a host:port address", b)
 		}
 	}
 	if cfg.TransactionalIDPrefix == "" {

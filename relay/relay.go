@@ -21,6 +21,7 @@ import (
 	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/internal/failpoint"
 	"github.com/txbox/txbox/internal/metrics"
+	"github.com/txbox/txbox/internal/pgtext"
 	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/outbox"
 )
@@ -67,7 +68,7 @@ type Config struct {
 	// PollInterval is the shortest wait between two looks for new rows, used while rows keep
 	// coming. One look, a single query, serves every shard of the relay that has nothing to
 	// publish, and wakes those whose slots have rows; a shard with a backlog reads batch after
-	// batch without waiting. At most 1m; if not specified, defaults to 1ms.
+	// batch without waiting. Between 1ms and 1m; if not specified, defaults to 1ms.
 	PollInterval time.Duration
 	// IdlePollInterval is the longest wait between two looks: once 16 looks in a row found nothing,
 	// each further empty look doubles the wait, from PollInterval up to IdlePollInterval. It is
@@ -166,7 +167,7 @@ func New(cfg Config) (*Relay, error) {
 	setting(&err, "Config.LeaseTTL", &cfg.LeaseTTL, DefaultLeaseTTL, 300*time.Millisecond, 10*time.Minute)
 	setting(&err, "Config.BatchSize", &cfg.BatchSize, DefaultBatchSize, 1, 10000)
 	setting(&err, "Config.BatchBytes", &cfg.BatchBytes, DefaultBatchBytes, 1<<10, 1<<30)
-	setting(&err, "Config.PollInterval", &cfg.PollInterval, DefaultPollInterval, 1, time.Minute)
+	setting(&err, "Config.PollInterval", &cfg.PollInterval, DefaultPollInterval, time.Millisecond, time.Minute)
 	setting(&err, "Config.IdlePollInterval", &cfg.IdlePollInterval, max(DefaultIdlePollInterval, cfg.PollInterval),
 		cfg.PollInterval, time.Minute)
 	setting(&err, "Config.StatsInterval", &cfg.StatsInterval, DefaultStatsInterval, 1, time.Hour)
@@ -176,6 +177,9 @@ func New(cfg Config) (*Relay, error) {
 		cfg.MinPublishBackoff, 24*time.Hour)
 	if err != nil {
 		return nil, err
+	}
+	if !pgtext.Valid(cfg.Owner) {
+		return nil, fmt.Errorf("relay: Config.Owner %q is not valid UTF-8 or contains NUL", cfg.Owner)
 	}
 	if cfg.Owner == "" {
 		host, _ := os.Hostname()

@@ -21,6 +21,10 @@ func TestSchema(t *testing.T) {
 		_, err := sqlname.Schema(name)
 		require.ErrorContains(t, err, "not a valid name", name)
 	}
+	for _, name := range []string{"select", "user", "order", "system_user"} {
+		_, err := sqlname.Schema(name)
+		require.ErrorContains(t, err, "reserves", name)
+	}
 	for _, name := range []string{"pg_catalog", "information_schema", "pg_toast", "pg_temp_3", "pg_anything"} {
 		_, err := sqlname.Schema(name)
 		require.ErrorContains(t, err, "system schemas", name)
