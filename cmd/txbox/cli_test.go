@@ -284,6 +284,19 @@ func TestHelpShowsNoSecret(t *testing.T) {
 	require.NotContains(t, r.stdout, "STRIPE_API_KEY]", "the Stripe key has no flag")
 }
 
+// A database txbox cannot reach is named by its setting, whichever command met it, and its
+// password is not shown.
+func TestUnreachableDatabaseNamesTheSetting(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	unreachable := withPassword(t, "postgres://postgres@127.0.0.1:1/txbox?connect_timeout=5", e.password)
+	for _, args := range [][]string{{"relay", "--kafka-brokers", "127.0.0.1:1"}, {"status"}, {"dlq", "list"}, {"outbox", "list"}} {
+		r := e.txbox(t, map[string]string{"TXBOX_DATABASE_URL": unreachable}, args...)
+		require.Equal(t, 1, r.code, "%v\n%s", args, r)
+		require.Contains(t, r.stderr, "--database-url / TXBOX_DATABASE_URL: cannot reach PostgreSQL", "%v\n%s", args, r)
+	}
+}
+
 func TestVersionAndCompletion(t *testing.T) {
 	t.Parallel()
 	e := newCLIEnv(t)
@@ -476,6 +489,7 @@ func TestRelayStartsAndStops(t *testing.T) {
 		require.Zero(t, r.code, r)
 		require.Regexp(t, `msg="txbox relay starting" .*database_url=postgres://\S+@`, r.stderr)
 		require.Contains(t, r.stderr, "owner=cli-test")
+		require.Equal(t, 1, strings.Count(r.stderr, " owner="), "the owner is logged once:\n%s", r.stderr)
 		require.Contains(t, r.stderr, "shards=2")
 		require.Contains(t, r.stderr, "call_timeout=666.666666ms", "the resolved default")
 		require.Contains(t, r.stderr, "side_effect_calls=false")

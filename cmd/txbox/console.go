@@ -76,9 +76,7 @@ func (a *app) consoleCommand() *cobra.Command {
 			mode = "read-only: " + consoleTokenEnv + " is not set"
 		}
 		a.logStart(cmd, "mode", mode)
-		if host, _, _ := net.SplitHostPort(ln.Addr().String()); !net.ParseIP(host).IsLoopback() {
-			a.log.Warn("the console listens beyond loopback: anyone who reaches it can read every message", "addr", ln.Addr().String())
-		}
+		a.warnBeyondLoopback(ln, "the console listens beyond loopback: anyone who reaches it can read every message")
 		a.log.Info("console listening", "url", "http://"+ln.Addr().String()+"/")
 		hs := &http.Server{Handler: srv, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: time.Minute}
 		served := make(chan error, 1)

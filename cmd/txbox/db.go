@@ -38,6 +38,12 @@ func (d *database) connect(ctx context.Context, log interface{ Warn(string, ...a
 	if err != nil {
 		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
 	}
+	// pgx connects lazily: without this, the first statement's error would name whatever ran it.
+	// pgx's message names the user, host and database, never the password.
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("%s: cannot reach PostgreSQL: %w", refOf(d.cmd, "database-url"), err)
+	}
 	status, err := d.migrationStatus(ctx, pool)
 	if err != nil {
 		pool.Close()

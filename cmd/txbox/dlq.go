@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -268,6 +269,9 @@ func (a *app) dlqRedrive() *cobra.Command {
 		defer pool.Close()
 
 		plan, err := admin.Redrive(ctx, pool, f, dlq.RedriveOptions{Rate: rate.Inf, DryRun: true})
+		if errors.Is(err, dlq.ErrCallNotRedrivable) {
+			return usagef("%v (narrow the selection: --kind message)", err) // The selection is the flags'.
+		}
 		if err != nil {
 			return err
 		}

@@ -221,8 +221,9 @@ func TestDLQRedriveRefusesCalls(t *testing.T) {
 	b.addMany(t, 2, "call")
 	b.add(t, dlq.Entry{Source: dlq.SourceRelay, UUID: "m-1"})
 
+	// A selection that holds calls is refused like any unusable flags (exit 2).
 	for _, args := range [][]string{{"--all"}, {"--all", "--dry-run"}} {
-		stderr := b.fails(t, 1, append([]string{"dlq", "redrive"}, args...)...)
+		stderr := b.fails(t, 2, append([]string{"dlq", "redrive"}, args...)...)
 		require.Contains(t, stderr, "reconcile them with the provider by hand, then discard them")
 	}
 	require.Zero(t, b.count(t, "txbox_outbox"))

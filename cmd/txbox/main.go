@@ -137,15 +137,22 @@ func (a *app) setUpLogging() error {
 }
 
 // logStart writes the one start line of a command: every flag's effective value, secrets
-// redacted, plus what the command resolved itself.
-func (a *app) logStart(cmd *cobra.Command, extra ...any) {
+// redacted, plus what the command resolved itself (key, value pairs), which replaces the flag of
+// the same name: a relay's --owner "" is logged as the owner it chose.
+func (a *app) logStart(cmd *cobra.Command, resolved ...any) {
+	names := map[string]bool{}
+	for i := 0; i < len(resolved); i += 2 {
+		if k, ok := resolved[i].(string); ok {
+			names[k] = true
+		}
+	}
 	var attrs []any
 	cmd.Flags().VisitAll(func(f *pflag.Flag) {
-		if f.Name != "help" {
-			attrs = append(attrs, slog.String(strings.ReplaceAll(f.Name, "-", "_"), display(f)))
+		if name := strings.ReplaceAll(f.Name, "-", "_"); f.Name != "help" && !names[name] {
+			attrs = append(attrs, slog.String(name, display(f)))
 		}
 	})
-	a.log.Info(cmd.CommandPath()+" starting", append(attrs, extra...)...)
+	a.log.Info(cmd.CommandPath()+" starting", append(attrs, resolved...)...)
 }
 
 func (a *app) versionCommand() *cobra.Command {

@@ -62,7 +62,7 @@ func (a *app) relayCommand() *cobra.Command {
 	annotate(f, annField, "Config.LeaseTTL")
 	f = a.setting(fs, durationIn(&s.pollInterval, time.Millisecond, time.Minute), "poll-interval", "TXBOX_POLL_INTERVAL", "shortest wait between looks for new rows, while rows keep coming (publish latency under load)")
 	annotate(f, annField, "Config.PollInterval")
-	f = a.setting(fs, durationIn(&s.idlePollInterval, time.Millisecond, time.Minute), "idle-poll-interval", "TXBOX_IDLE_POLL_INTERVAL", "longest wait between looks, reached while nothing comes (first message's latency, idle cost); at least --poll-interval (default 25ms, or --poll-interval if longer)")
+	f = a.setting(fs, durationIn(&s.idlePollInterval, time.Millisecond, time.Minute), "idle-poll-interval", "TXBOX_IDLE_POLL_INTERVAL", "longest wait between looks, reached while nothing comes (first message's latency, idle cost); at least --poll-interval, which is its default when longer than 25ms")
 	annotate(f, annField, "Config.IdlePollInterval")
 	f = a.setting(fs, durationIn(&s.statsInterval, time.Second, time.Hour), "stats-interval", "TXBOX_STATS_INTERVAL", "how often the backlog and dead-letter gauges are refreshed")
 	annotate(f, annField, "Config.StatsInterval")
@@ -142,6 +142,14 @@ func (a *app) relayCommand() *cobra.Command {
 	return cmd
 }
 
+// warnBeyondLoopback logs warning when ln accepts connections from other hosts: it was configured
+// so, since every listener of txbox binds to loopback by default.
+func (a *app) warnBeyondLoopback(ln net.Listener, warning string) {
+	if host, _, _ := net.SplitHostPort(ln.Addr().String()); !net.ParseIP(host).IsLoopback() {
+		a.log.Warn(warning, "addr", ln.Addr().String())
+	}
+}
+
 // serveMetrics serves /metrics on addr until stop is called.
 func (a *app) serveMetrics(addr string, reg *prometheus.Registry) (stop func(), err error) {
 	ln, err := net.Listen("tcp", addr)
@@ -156,6 +164,7 @@ func (a *app) serveMetrics(addr string, reg *prometheus.Registry) (stop func(), 
 			a.log.Error("metrics server stopped", "error", err)
 		}
 	}()
+	a.warnBeyondLoopback(ln, "metrics are served beyond loopback: anyone who reaches the address can read them")
 	a.log.Info("serving metrics", "addr", "http://"+ln.Addr().String()+"/metrics")
 	return func() { _ = srv.Close() }, nil
 }
