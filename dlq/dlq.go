@@ -4,9 +4,11 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/txbox/txbox/internal/pgtext"
 	"github.com/txbox/txbox/internal/sqlname"
@@ -46,6 +48,9 @@ type Entry struct {
 	// Error is the last error in full.
 	Error    string
 	Attempts int
+	// FirstFailedAt is when the message first failed, if that was before now: the first refused
+	// attempt of a relay row, say. Zero means now.
+	FirstFailedAt time.Time
 }
 
 // Execer is the part of pgx the writer needs; a pgx.Tx satisfies it.
@@ -93,7 +98,8 @@ func (w *Writer) Add(ctx context.Context, tx Execer, e Entry) error {
 		payload = []byte{}
 	}
 	_, err = tx.Exec(ctx, w.insert, string(e.Source), kind, e.Topic, e.Consumer, e.DedupKey, pgtext.Sanitize(e.PartitionKey),
-		pgtext.Sanitize(e.UUID), payload, string(metaJSON), idem, e.Reason, pgtext.Sanitize(e.Error), e.Attempts, e.Handler)
+		pgtext.Sanitize(e.UUID), payload, string(metaJSON), idem, e.Reason, pgtext.Sanitize(e.Error), e.Attempts, e.Handler,
+		pgtype.Timestamptz{Time: e.FirstFailedAt, Valid: !e.FirstFailedAt.IsZero()})
 	if err != nil {
 		return fmt.Errorf("dlq: add %s letter for %s: %w", e.Source, e.UUID, err)
 	}

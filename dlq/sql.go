@@ -2,8 +2,8 @@ package dlq
 
 const insertSQL = `
 INSERT INTO {schema}.txbox_dlq
-    (source, kind, topic, consumer, dedup_key, partition_key, uuid, payload, metadata, idempotency_key, reason, error, attempts, handler)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12, $13, $14)`
+    (source, kind, topic, consumer, dedup_key, partition_key, uuid, payload, metadata, idempotency_key, reason, error, attempts, handler, first_failed_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12, $13, $14, coalesce($15::timestamptz, now()))`
 
 const statsSQL = `
 SELECT count(*) FILTER (WHERE source = 'inbox'),

@@ -262,7 +262,7 @@ func (a *Admin) Bury(ctx context.Context, db TxBeginner, id int64, reason string
 		return a.dead.Add(ctx, tx, dlq.Entry{
 			Source: dlq.SourceRelay, Kind: row.Kind, Topic: row.Topic, PartitionKey: row.PartitionKey, UUID: row.UUID,
 			Payload: row.Payload, Metadata: row.Metadata, IdempotencyKey: row.IdempotencyKey,
-			Reason: ReasonBuried, Error: detail, Attempts: row.Attempts,
+			Reason: ReasonBuried, Error: detail, Attempts: row.Attempts, FirstFailedAt: row.FirstAttemptAt,
 		})
 	})
 	if err != nil {

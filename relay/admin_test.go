@@ -181,7 +181,7 @@ func TestAdminBury(t *testing.T) {
 	var id int64
 	require.NoError(t, b.env.Pool.QueryRow(ctx, "SELECT id FROM "+b.env.Q("txbox_outbox")+" WHERE uuid = $1", refused).Scan(&id))
 	// As if the broker had refused it three times: it holds back its key for an hour.
-	_, err := b.env.Pool.Exec(ctx, "UPDATE "+b.env.Q("txbox_outbox")+` SET attempts = 3, first_attempt_at = now(),
+	_, err := b.env.Pool.Exec(ctx, "UPDATE "+b.env.Q("txbox_outbox")+` SET attempts = 3, first_attempt_at = now() - interval '2 hours',
 		last_error = 'topic does not exist', next_attempt_at = now() + interval '1 hour' WHERE id = $1`, id)
 	require.NoError(t, err)
 	behind := b.write(t, true, "k", 3)
@@ -210,6 +210,10 @@ func TestAdminBury(t *testing.T) {
 	require.Contains(t, letters[0].errText, "OPS-12")
 	require.Contains(t, letters[0].errText, "topic does not exist")
 	require.Equal(t, 3, letters[0].attempts)
+	var failingFor time.Duration
+	require.NoError(t, b.env.Pool.QueryRow(ctx, "SELECT extract(epoch FROM now() - first_failed_at)::bigint * 1000000000 FROM "+
+		b.env.Q("txbox_dlq")+" WHERE uuid = $1", refused).Scan(&failingFor))
+	require.InDelta(t, 2*time.Hour, failingFor, float64(10*time.Minute), "the letter first failed when the row's first attempt did, not when it was buried")
 
 	_, err = admin.Bury(ctx, b.env.Pool, id, "again")
 	require.ErrorIs(t, err, relay.ErrRowNotFound)

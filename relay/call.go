@@ -422,8 +422,8 @@ func (c *caller) bury(row callRow, attempts int, reason, detail string) error {
 
 func (c *caller) buryTx(tx pgx.Tx, row callRow, attempts int, reason, detail string) error {
 	l, r := c.l, c.l.relay
-	tag, err := tx.Exec(l.ctx, r.sql.deleteRows, []int64{row.id})
-	if err != nil || tag.RowsAffected() == 0 {
+	first, ok, err := r.deleteForBurial(l.ctx, tx, row.id)
+	if err != nil || !ok {
 		return err
 	}
 	var meta map[string]string
@@ -431,7 +431,7 @@ func (c *caller) buryTx(tx pgx.Tx, row callRow, attempts int, reason, detail str
 	return r.dead.Add(l.ctx, tx, dlq.Entry{
 		Source: dlq.SourceRelay, Kind: "call", Topic: row.replyTopic, PartitionKey: row.partitionKey,
 		UUID: row.uuid, Payload: row.payload, Metadata: meta, IdempotencyKey: row.key,
-		Reason: reason, Error: detail, Attempts: attempts,
+		Reason: reason, Error: detail, Attempts: attempts, FirstFailedAt: first,
 	})
 }
 

@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/internal/failpoint"
@@ -370,16 +371,28 @@ func (l *lease) refuse(p pendingRow, cause error, permanent bool) error {
 // buried by an operator): a row is never both pending and dead, nor dead twice.
 func (l *lease) bury(tx pgx.Tx, p pendingRow, reason, detail string, attempts int) error {
 	r := l.relay
-	tag, err := tx.Exec(l.ctx, r.sql.deleteRows, []int64{p.id})
-	if err != nil || tag.RowsAffected() == 0 {
+	first, ok, err := r.deleteForBurial(l.ctx, tx, p.id)
+	if err != nil || !ok {
 		return err
 	}
 	var meta map[string]string
 	_ = json.Unmarshal([]byte(p.metadata), &meta)
 	return r.dead.Add(l.ctx, tx, dlq.Entry{
 		Source: dlq.SourceRelay, Topic: p.topic, PartitionKey: p.partitionKey, UUID: p.uuid,
-		Payload: p.payload, Metadata: meta, Reason: reason, Error: detail, Attempts: attempts,
+		Payload: p.payload, Metadata: meta, Reason: reason, Error: detail, Attempts: attempts, FirstFailedAt: first,
 	})
+}
+
+// deleteForBurial deletes outbox row id in tx on its way to the dead-letter table. It returns when
+// the row's first attempt failed (zero when none was counted), and false when the row is gone
+// already.
+func (r *Relay) deleteForBurial(ctx context.Context, tx pgx.Tx, id int64) (first time.Time, ok bool, err error) {
+	var at pgtype.Timestamptz
+	err = tx.QueryRow(ctx, r.sql.buryRow, id).Scan(&at)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return time.Time{}, false, nil
+	}
+	return at.Time, err == nil, err
 }
 
 // fenced runs fn in a transaction that first locks the shard's lease row and checks that the token

@@ -31,7 +31,7 @@ type queries struct {
 	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
 	heartbeat, forgetNode, liveNodes, pruneNodes, nextExpiry,
 	acquire, renew, release, checkLease,
-	readMessages, dueSlots, refuseMessage, deleteRows, completeMessages, stats string
+	readMessages, dueSlots, refuseMessage, deleteRows, buryRow, completeMessages, stats string
 
 	readCalls, startCall, rescheduleCall, insertCallResult string
 }
@@ -109,6 +109,8 @@ func renderQueries(schema string, slots int) queries {
 			WHERE id = $1 AND kind = 'message'
 			RETURNING attempts`),
 		deleteRows: r(`DELETE FROM {schema}.txbox_outbox WHERE id = ANY($1)`),
+		// Deletes a row on its way to the dead-letter table, saying when it first failed.
+		buryRow: r(`DELETE FROM {schema}.txbox_outbox WHERE id = $1 RETURNING first_attempt_at`),
 		// deleteRows for the round trip that checks the lease (shard $2, token $3), which sends it
 		// before the check's answer is in: it runs whether the check passed or not, so it carries
 		// the check too. Once the check locked the lease row the token cannot change under it.

@@ -341,6 +341,10 @@ func TestUnpublishableRowGoesToTheDLQ(t *testing.T) {
 					require.Equal(t, 1, l.attempts)
 				} else {
 					require.Equal(t, 3, l.attempts, "dead after MaxPublishAttempts")
+					var retriedFor time.Duration
+					require.NoError(t, b.env.Pool.QueryRow(context.Background(), "SELECT (extract(epoch FROM last_failed_at - first_failed_at) * 1e9)::bigint FROM "+
+						b.env.Q("txbox_dlq")+" WHERE uuid = $1", refused).Scan(&retriedFor))
+					require.GreaterOrEqual(t, retriedFor, time.Second, "the letter first failed at the first refusal, a backoff before the last")
 					for _, u := range others {
 						require.True(t, b.completedAt(t, u).Before(dead), "%s was published while the refused row was still being retried", u)
 					}
