@@ -335,9 +335,12 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 		attempts = mark.attempts
 		switch {
 		case mark.settled:
+			// Processed (or dead) before: the inbox row exists, and open found it too, unless
+			// retention dropped its generation in between.
+			rollback(ctx, tx)
 			ib.crashDomain.RUnlock()
 			ib.hit(ctx, sc)
-			return nil // Processed (or dead) before: the inbox row exists, and open found it too.
+			return nil
 		case errors.Is(herr, errTaken):
 			defer ib.crashDomain.RUnlock() // Settled while this delivery waited for it: see below.
 		case mark.suspect:
