@@ -152,7 +152,7 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 		return "", fmt.Errorf("outbox: encode call %s: %w", key, err)
 	}
 	if len(payload) > w.maxPayloadBytes {
-		return "", fmt.Errorf("%w: %s: request of %d bytes is over the %d-byte limit", ErrInvalidCall, key, len(payload), w.maxPayloadBytes)
+		return "", fmt.Errorf("%w: %s: Call.Params: the request is %d bytes, over the %d-byte limit", ErrInvalidCall, key, len(payload), w.maxPayloadBytes)
 	}
 
 	meta := appendMetadata(nil, c.Metadata, traceFieldsOf(ctx))

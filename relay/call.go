@@ -380,7 +380,8 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 	// A text column takes neither invalid UTF-8 (a cut multi-byte character, a proxy's bytes) nor NUL.
 	stored := strings.ReplaceAll(strings.ToValidUTF8(string(kept), "\uFFFD"), "\x00", "")
 
-	return l.fenced(l.ctx, func(tx pgx.Tx) error {
+	var unwritable error
+	err := l.fenced(l.ctx, func(tx pgx.Tx) error {
 		tag, err := tx.Exec(l.ctx, r.sql.deleteRows, []int64{row.id})
 		if err != nil {
 			return err
@@ -404,8 +405,24 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 			msg.Metadata.Set(k, val)
 		}
 		outbox.SetPartitionKey(msg, row.partitionKey)
-		return c.replies.Publish(l.ctx, tx, row.replyTopic, msg)
+		err = c.replies.Publish(l.ctx, tx, row.replyTopic, msg)
+		if !errors.Is(err, outbox.ErrInvalidMessage) {
+			return err
+		}
+		// Retrying cannot make the reply writable, and the call is done: its reply is the letter,
+		// so the shard is not held up by a completion that fails every time.
+		unwritable = err
+		return r.dead.Add(l.ctx, tx, dlq.Entry{
+			Source: dlq.SourceRelay, Topic: row.replyTopic, PartitionKey: row.partitionKey, UUID: msg.UUID,
+			Payload: payload, Metadata: meta, Reason: ReasonReplyUnwritable, Error: err.Error(), Attempts: attempts,
+		})
 	})
+	if err == nil && unwritable != nil {
+		r.metrics.DeadLetters.WithLabelValues(string(dlq.SourceRelay), ReasonReplyUnwritable).Inc()
+		r.log.Error("the reply of a completed call moved to the dead-letter table", "shard", l.shard,
+			"idempotency_key", row.key, "reason", ReasonReplyUnwritable, "error", unwritable)
+	}
+	return err
 }
 
 // bury moves a call to the dead-letter table in its own fenced transaction.

@@ -267,6 +267,37 @@ func TestCallResponseLostAfterChargeIsReplayed(t *testing.T) {
 	require.JSONEq(t, res.body, string(got.Body))
 }
 
+// A call whose reply the outbox refuses (its metadata, which the reply carries, is larger than the
+// outbox takes) is charged once and completed, and its reply is the dead letter: the completion
+// does not fail, and hold up its shard, until the replay window ends.
+func TestAReplyTheOutboxRefusesIsALetter(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	big := chargeCall("pay-big-metadata", 1000)
+	big.Metadata["blob"] = strings.Repeat("x", outbox.DefaultMaxPayloadBytes)
+	b.enqueue(t, big)
+	after := b.enqueue(t, chargeCall("pay-after", 500))
+	b.startCallRelay(t, nil)
+
+	res := b.waitResult(t, big.IdempotencyKey)
+	require.Equal(t, outbox.OutcomeSucceeded, res.outcome)
+	require.Equal(t, 1, b.stripe.ChargesFor(big.IdempotencyKey), "exactly one charge")
+	b.waitResult(t, after)
+	require.Eventually(t, func() bool { return b.pendingCalls(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return len(b.sink.replies(after)) == 1 }, 10*time.Second, 10*time.Millisecond,
+		"the next call of the shard completed and replied")
+	require.Empty(t, b.sink.replies(big.IdempotencyKey))
+
+	var reason, errText, uuid, topic string
+	require.NoError(t, b.env.Pool.QueryRow(context.Background(), "SELECT reason, error, uuid, topic FROM "+b.env.Q("txbox_dlq")).
+		Scan(&reason, &errText, &uuid, &topic))
+	require.Equal(t, relay.ReasonReplyUnwritable, reason)
+	require.Contains(t, errText, "over the")
+	require.Equal(t, outbox.ReplyUUID(big.IdempotencyKey), uuid)
+	require.Equal(t, "charge-results", topic)
+	require.Equal(t, 1, b.stripe.RequestsFor(big.IdempotencyKey), "completed at the first send: never sent again")
+}
+
 // A relay takes a shard over while the previous owner's request is still at Stripe: the new
 // owner's attempt with the same key gets 409 and is retried, the old owner's late answer cannot
 // complete anything (its lease is fenced), and the call charges once and replies once.

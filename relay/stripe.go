@@ -31,6 +31,10 @@ const (
 	ReasonCallIndeterminate = "call outcome indeterminate"
 	// ReasonInvalidCall: the stored call cannot be sent (undecodable, unknown provider).
 	ReasonInvalidCall = "invalid call"
+	// ReasonReplyUnwritable: the call completed, and its result is stored, but the outbox refuses
+	// its reply (the call's metadata, which the reply carries, makes it larger than the outbox
+	// takes): the reply is the letter.
+	ReasonReplyUnwritable = "reply cannot be written"
 )
 
 // DefaultStripeURL is CallConfig.BaseURL when it is not specified.
