@@ -564,7 +564,9 @@ func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any, ma
 			break
 		}
 	}
-	err = errors.Join(err, results.Close())
+	if cerr := results.Close(); err == nil {
+		err = cerr // Otherwise Close reports the same error again.
+	}
 	switch {
 	case tx == nil:
 		return nil, tag, errors.Join(err, errors.New("Config.DB's SendBatch does not begin the transaction of a pgx.Batch.BeginTx"))
