@@ -75,10 +75,22 @@ func (deadRow) Scan(...any) error { return errCrash }
 // told apart, and in every later run the poison waits for the innocent to be in its handler, or
 // waiting to run, before it crashes. The poison is dead-lettered after exactly MaxAttempts crashes;
 // the innocent is processed once and never dead-lettered, however many of the poison's crashes it
-// was in flight for.
+// was in flight for. After a duplicate, deliveries send their marker alone before they open the
+// handler's transaction (see Inbox.handle): each process then starts with one.
 func TestACrashIsChargedToTheMessageThatCausedIt(t *testing.T) {
 	t.Parallel()
+	for name, afterDuplicate := range map[string]bool{"marker-in-pipeline": false, "marker-alone": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			testACrashIsChargedToTheMessageThatCausedIt(t, afterDuplicate)
+		})
+	}
+}
+
+func testACrashIsChargedToTheMessageThatCausedIt(t *testing.T, afterDuplicate bool) {
 	b := setup(t, nil) // MaxAttempts: 3
+	processed := newMessage()
+	require.NoError(t, deliver(b.inbox.Middleware(b.handler(nil)), processed))
 	poison, innocent := newMessage(), newMessage()
 	var poisonRuns atomic.Int64
 	settled := func() bool {
@@ -129,6 +141,9 @@ func TestACrashIsChargedToTheMessageThatCausedIt(t *testing.T) {
 				}()
 				_ = deliverCtx(ctx, h, msg)
 			}()
+		}
+		if afterDuplicate {
+			require.NoError(t, deliverCtx(context.Background(), h, processed))
 		}
 		deliver(innocent, innocentWaits, innocentDone)
 		deliver(poison, poisonWaits, poisonDone)
