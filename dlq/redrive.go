@@ -44,6 +44,29 @@ type RedriveOptions struct {
 	Progress func(RedriveProgress)
 }
 
+// Resolved returns o with its defaults filled in, as Redrive uses it, or an error naming the
+// setting it cannot use.
+func (o RedriveOptions) Resolved() (RedriveOptions, error) {
+	if math.IsNaN(float64(o.Rate)) || o.Rate <= 0 {
+		return o, fmt.Errorf("dlq: RedriveOptions.Rate is required and must be positive, got %v; use rate.Inf for no limit", float64(o.Rate))
+	}
+	if o.BatchSize < 0 || o.Burst < 0 {
+		return o, fmt.Errorf("dlq: RedriveOptions.BatchSize and Burst must not be negative, got %d and %d", o.BatchSize, o.Burst)
+	}
+	if o.BatchSize == 0 {
+		o.BatchSize = DefaultRedriveBatchSize
+	}
+	if o.Burst == 0 {
+		o.Burst = o.BatchSize
+		if tenth := float64(o.Rate) / 10; tenth < float64(o.Burst) {
+			o.Burst = max(1, int(tenth))
+		}
+	}
+	// WaitN refuses more than Burst tokens at once.
+	o.BatchSize = min(o.BatchSize, o.Burst)
+	return o, nil
+}
+
 // RedriveProgress is the state of a running redrive.
 type RedriveProgress struct {
 	// Moved is how many letters have been moved so far.
@@ -112,23 +135,10 @@ func (a *Admin) Redrive(ctx context.Context, db DB, f Filter, opts RedriveOption
 	if f.IsEmpty() && !f.All {
 		return RedriveResult{}, ErrEmptyFilter
 	}
-	if math.IsNaN(float64(opts.Rate)) || opts.Rate <= 0 {
-		return RedriveResult{}, fmt.Errorf("dlq: RedriveOptions.Rate is required and must be positive, got %v; use rate.Inf for no limit", float64(opts.Rate))
+	opts, err := opts.Resolved()
+	if err != nil {
+		return RedriveResult{}, err
 	}
-	if opts.BatchSize < 0 || opts.Burst < 0 {
-		return RedriveResult{}, fmt.Errorf("dlq: RedriveOptions.BatchSize and Burst must not be negative, got %d and %d", opts.BatchSize, opts.Burst)
-	}
-	if opts.BatchSize == 0 {
-		opts.BatchSize = DefaultRedriveBatchSize
-	}
-	if opts.Burst == 0 {
-		opts.Burst = opts.BatchSize
-		if tenth := float64(opts.Rate) / 10; tenth < float64(opts.Burst) {
-			opts.Burst = max(1, int(tenth))
-		}
-	}
-	// WaitN refuses more than Burst tokens at once.
-	opts.BatchSize = min(opts.BatchSize, opts.Burst)
 
 	res, w, err := a.plan(ctx, db, f)
 	if err != nil || opts.DryRun || res.Planned == 0 {

@@ -288,7 +288,11 @@ func (a *app) dlqRedrive() *cobra.Command {
 				"because every consumer of %s and the APIs they call see them as new traffic; try --dry-run first",
 				plan.Planned, maxUnpacedRedrive, refOf(cmd, "rate"), cell(topicNames(plan.Topics)))
 		}
-		a.logStart(cmd, "letters", plan.Planned)
+		resolved, err := opts.Resolved()
+		if err != nil {
+			return usagef("%v", err)
+		}
+		a.logStart(cmd, "letters", plan.Planned, "rate", float64(resolved.Rate), "burst", resolved.Burst, "batch_size", resolved.BatchSize)
 		var lastReport time.Time
 		opts.Progress = func(p dlq.RedriveProgress) {
 			if time.Since(lastReport) < time.Second && p.Moved < p.Total {

@@ -206,8 +206,12 @@ func TestDLQRedrive(t *testing.T) {
 	require.Equal(t, 1, b.count(t, "txbox_outbox"))
 	require.Zero(t, b.count(t, "txbox_inbox"))
 
-	out = b.ok(t, "dlq", "redrive", "--source", "relay", "--rate", "100000", "--batch-size", "40")
+	r := b.txbox(t, nil, "dlq", "redrive", "--source", "relay", "--rate", "100", "--batch-size", "40")
+	require.Zero(t, r.code, r)
+	out = r.stdout
 	require.Contains(t, out, "redrove 150 letter(s) into the outbox")
+	require.Regexp(t, `redrive starting" .*rate=100 burst=10 batch_size=10`, r.stderr, "the start line shows the burst and batch the rate resolved to")
+	require.Equal(t, 1, strings.Count(r.stderr, " burst="), r.stderr)
 	require.Equal(t, 151, b.count(t, "txbox_outbox"))
 	require.Zero(t, b.count(t, "txbox_dlq"))
 
