@@ -290,7 +290,7 @@ func TestUnreachableDatabaseNamesTheSetting(t *testing.T) {
 	t.Parallel()
 	e := newCLIEnv(t)
 	unreachable := withPassword(t, "postgres://postgres@127.0.0.1:1/txbox?connect_timeout=5", e.password)
-	for _, args := range [][]string{{"relay", "--kafka-brokers", "127.0.0.1:1"}, {"status"}, {"dlq", "list"}, {"outbox", "list"}} {
+	for _, args := range [][]string{{"relay", "--kafka-brokers", "127.0.0.1:1"}, {"status"}, {"dlq", "list"}, {"outbox", "list"}, {"migrate", "up"}, {"migrate", "status"}} {
 		r := e.txbox(t, map[string]string{"TXBOX_DATABASE_URL": unreachable}, args...)
 		require.Equal(t, 1, r.code, "%v\n%s", args, r)
 		require.Contains(t, r.stderr, "--database-url / TXBOX_DATABASE_URL: cannot reach PostgreSQL", "%v\n%s", args, r)

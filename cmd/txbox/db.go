@@ -31,9 +31,8 @@ func (a *app) databaseFlags(cmd *cobra.Command) *database {
 	return d
 }
 
-// connect opens a pool and checks that txbox is installed in the schema, so that a mistyped
-// schema is a usage error before anything runs rather than "relation does not exist" later.
-func (d *database) connect(ctx context.Context, log interface{ Warn(string, ...any) }) (*pgxpool.Pool, error) {
+// open opens a pool on --database-url and checks that PostgreSQL answers.
+func (d *database) open(ctx context.Context) (*pgxpool.Pool, error) {
 	pool, err := pgxpool.New(ctx, d.dsn)
 	if err != nil {
 		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
@@ -43,6 +42,16 @@ func (d *database) connect(ctx context.Context, log interface{ Warn(string, ...a
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
 		return nil, fmt.Errorf("%s: cannot reach PostgreSQL: %w", refOf(d.cmd, "database-url"), err)
+	}
+	return pool, nil
+}
+
+// connect opens a pool and checks that txbox is installed in the schema, so that a mistyped
+// schema is a usage error before anything runs rather than "relation does not exist" later.
+func (d *database) connect(ctx context.Context, log interface{ Warn(string, ...any) }) (*pgxpool.Pool, error) {
+	pool, err := d.open(ctx)
+	if err != nil {
+		return nil, err
 	}
 	status, err := d.migrationStatus(ctx, pool)
 	if err != nil {

@@ -32,9 +32,9 @@ func (a *app) migrateCommand() *cobra.Command {
 
 // withMigrationDB runs fn with a database/sql handle on --database-url, the kind goose needs.
 func withMigrationDB(ctx context.Context, d *database, fn func(*sql.DB, *pgxpool.Pool) error) error {
-	pool, err := pgxpool.New(ctx, d.dsn)
+	pool, err := d.open(ctx)
 	if err != nil {
-		return fmt.Errorf("connect to PostgreSQL: %w", err)
+		return err
 	}
 	defer pool.Close()
 	db := stdlib.OpenDBFromPool(pool)
