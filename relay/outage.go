@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"fmt"
 	"log/slog"
 	"sync"
 )
@@ -8,16 +9,18 @@ import (
 // outage logs a failure that every shard meets at once when a dependency goes away (Kafka, the
 // provider of side-effect calls): once when the first shard meets it and once when the last one
 // recovers, rather than once per shard. Each shard tells it of its own first failure (fail) and of
-// its recovery or its end (settle); retries in between are the shard's business.
+// its recovery or its end (settle); retries in between are the shard's business. While an outage
+// lasts, err says so, for Ready.
 type outage struct {
-	log                *slog.Logger
-	failedMsg, overMsg string
-	mu                 sync.Mutex
-	failing            map[int]bool
+	log     *slog.Logger
+	what    string // what fails: "publishing", "executing calls"
+	mu      sync.Mutex
+	failing map[int]bool
+	last    error // the failure that the latest shard to start failing met
 }
 
-func newOutage(log *slog.Logger, failedMsg, overMsg string) *outage {
-	return &outage{log: log, failedMsg: failedMsg, overMsg: overMsg, failing: map[int]bool{}}
+func newOutage(log *slog.Logger, what string) *outage {
+	return &outage{log: log, what: what, failing: map[int]bool{}}
 }
 
 // fail records that shard has started failing with err.
@@ -25,11 +28,12 @@ func (o *outage) fail(shard int, err error) {
 	o.mu.Lock()
 	first := len(o.failing) == 0
 	o.failing[shard] = true
+	o.last = err
 	o.mu.Unlock()
 	if first {
-		o.log.Error(o.failedMsg, "shard", shard, "error", err)
+		o.log.Error(o.what+" failed; retrying with backoff", "shard", shard, "error", err)
 	} else {
-		o.log.Debug(o.failedMsg, "shard", shard, "error", err)
+		o.log.Debug(o.what+" failed; retrying with backoff", "shard", shard, "error", err)
 	}
 }
 
@@ -39,9 +43,22 @@ func (o *outage) settle(shard, failures int) {
 	o.mu.Lock()
 	was := o.failing[shard]
 	delete(o.failing, shard)
-	last := was && len(o.failing) == 0
-	o.mu.Unlock()
-	if last && failures > 0 {
-		o.log.Info(o.overMsg, "shard", shard, "failed_attempts", failures)
+	over := was && len(o.failing) == 0
+	if over {
+		o.last = nil
 	}
+	o.mu.Unlock()
+	if over && failures > 0 {
+		o.log.Info(o.what+" recovered", "shard", shard, "failed_attempts", failures)
+	}
+}
+
+// err describes the outage while one lasts: how many shards fail, and the latest failure.
+func (o *outage) err() error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if len(o.failing) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%s fails on %d shard(s): %w", o.what, len(o.failing), o.last)
 }

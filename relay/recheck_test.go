@@ -21,22 +21,40 @@ import (
 )
 
 // flakyDB is the test database, through which one transaction can be made to fail to start, as
-// it does when a connection breaks or the pool times out.
+// it does when a connection breaks or the pool times out, or every statement, as while the
+// database cannot be reached.
 type flakyDB struct {
 	*pgxpool.Pool
 	failNext atomic.Bool
 	failed   atomic.Int64
+	down     atomic.Bool
 }
+
+var errUnreachable = errors.New("injected fault: dial tcp: connection refused")
 
 // SendBatch fails the next batch that begins a transaction (pgx's Batch.BeginTx queues its BEGIN
 // first), the way the relay starts every transaction.
 func (d *flakyDB) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if d.down.Load() {
+		return pgx.FailedBatchResults(b, errUnreachable)
+	}
 	if len(b.QueuedQueries) > 0 && strings.EqualFold(b.QueuedQueries[0].SQL, "begin") && d.failNext.CompareAndSwap(true, false) {
 		d.failed.Add(1)
 		return pgx.FailedBatchResults(b, errors.New("injected fault: connection reset by peer"))
 	}
 	return d.Pool.SendBatch(ctx, b)
 }
+
+func (d *flakyDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if d.down.Load() {
+		return unreachableRow{}
+	}
+	return d.Pool.QueryRow(ctx, sql, args...)
+}
+
+type unreachableRow struct{}
+
+func (unreachableRow) Scan(...any) error { return errUnreachable }
 
 // When Kafka says the shard's producer was fenced, the relay asks the database whether its lease
 // is still its own. A lease taken over means drop the shard; a database that cannot answer right

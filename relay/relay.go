@@ -135,10 +135,11 @@ type Relay struct {
 	// active tells watch that a shard published rows: more are likely soon.
 	active chan struct{}
 
-	mu        sync.Mutex
-	held      map[int]*lease
-	dbFailing bool           // so a database outage is logged once, not on every tick
-	winding   sync.WaitGroup // workers of dropped or released leases, still stopping
+	mu      sync.Mutex
+	held    map[int]*lease
+	running bool           // from a successful start until the stop begins, for Ready
+	dbErr   error          // why the last round of leases failed; nil once the database answers
+	winding sync.WaitGroup // workers of dropped or released leases, still stopping
 }
 
 // New validates cfg and returns a Relay.
@@ -212,8 +213,8 @@ func New(cfg Config) (*Relay, error) {
 		metrics:    metrics.NewRelay(cfg.Registerer, cfg.Schema),
 		tracer:     cfg.TracerProvider.Tracer(tracerName),
 		kafka:      kafka,
-		publishing: newOutage(log, "publishing failed; retrying with backoff", "publishing recovered"),
-		calling:    newOutage(log, "executing calls failed; retrying with backoff", "executing calls recovered"),
+		publishing: newOutage(log, "publishing"),
+		calling:    newOutage(log, "executing calls"),
 		held:       map[int]*lease{},
 		active:     make(chan struct{}, 1),
 	}, nil
@@ -247,6 +248,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		return err
 	}
 	r.log.Info("relay started", "shards", r.cfg.Shards, "lease_ttl", r.cfg.LeaseTTL)
+	r.setRunning(true)
 	r.metrics.LeaseTTL.Set(r.cfg.LeaseTTL.Seconds())
 
 	var background sync.WaitGroup
@@ -260,6 +262,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		timer.Reset(r.balance(ctx, lost))
 		select {
 		case <-ctx.Done():
+			r.setRunning(false)
 			r.shutdown()
 			background.Wait()
 			r.log.Info("relay stopped")
@@ -269,6 +272,12 @@ func (r *Relay) Run(ctx context.Context) error {
 		case <-timer.C:
 		}
 	}
+}
+
+func (r *Relay) setRunning(running bool) {
+	r.mu.Lock()
+	r.running = running
+	r.mu.Unlock()
 }
 
 // prepareLeases makes sure the lease table has this relay's layout, refusing to change it while
@@ -717,25 +726,57 @@ func ShardOf(partitionKey, uuid string, shards int) int {
 	return int(outbox.SlotOf(partitionKey, uuid)) % shards
 }
 
+// logDB logs a failure of the lease rounds once per database outage, and keeps it for Ready.
 func (r *Relay) logDB(what string, err error) {
 	if errors.Is(err, context.Canceled) {
 		return
 	}
+	err = fmt.Errorf("%s: %w", what, err)
 	r.mu.Lock()
-	first := !r.dbFailing
-	r.dbFailing = true
+	first := r.dbErr == nil
+	r.dbErr = err
 	r.mu.Unlock()
 	if first {
-		r.log.Error("database unavailable; retrying every lease tick", "during", what, "error", err)
+		r.log.Error("database unavailable; retrying every lease tick", "error", err)
 	}
 }
 
 func (r *Relay) dbOK() {
 	r.mu.Lock()
-	was := r.dbFailing
-	r.dbFailing = false
+	was := r.dbErr != nil
+	r.dbErr = nil
 	r.mu.Unlock()
 	if was {
 		r.log.Info("database reachable again")
 	}
+}
+
+// ErrNotReady is wrapped by every error Ready returns.
+var ErrNotReady = errors.New("relay: not ready")
+
+// Ready reports whether the relay is doing its work: nil while Run runs, the database answered
+// the relay's last round of leases and no shard meets an outage of Kafka or of the calls'
+// provider; otherwise an error wrapping ErrNotReady that says what is wrong (all of it). txbox
+// relay serves it at /readyz, so that a rolling deployment waits for a new relay to start and an
+// orchestrator sees one that cannot work.
+func (r *Relay) Ready() error {
+	r.mu.Lock()
+	running, dbErr := r.running, r.dbErr
+	r.mu.Unlock()
+	if !running {
+		return fmt.Errorf("%w: not running (starting or stopping)", ErrNotReady)
+	}
+	var problems []error
+	if dbErr != nil {
+		problems = append(problems, fmt.Errorf("database: %w", dbErr))
+	}
+	for _, o := range []*outage{r.publishing, r.calling} {
+		if err := o.err(); err != nil {
+			problems = append(problems, err)
+		}
+	}
+	if len(problems) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: %w", ErrNotReady, errors.Join(problems...))
 }

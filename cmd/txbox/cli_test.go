@@ -5,6 +5,9 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"net/url"
 	"strings"
 	"sync"
@@ -455,8 +458,9 @@ func TestStartLine(t *testing.T) {
 	require.NotContains(t, r.stderr, "starting")
 }
 
-// The relay logs its start line, with the owner it resolved, and stops cleanly on cancellation. A
-// second relay with another shard count is refused by the library; the message names the flag.
+// The relay logs its start line, with the owner it resolved, says it is ready at /readyz once it
+// runs, and stops cleanly on cancellation. A second relay with another shard count is refused by
+// the library; the message names the flag.
 func TestRelayStartsAndStops(t *testing.T) {
 	t.Parallel()
 	e := newCLIEnv(t)
@@ -466,16 +470,32 @@ func TestRelayStartsAndStops(t *testing.T) {
 	relayArgs := func(extra ...string) []string {
 		return append([]string{"relay", "--metrics-addr", "", "--transactional-id-prefix", e.Schema, "--lease-ttl", "1s"}, extra...)
 	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	metricsAddr := ln.Addr().String()
+	require.NoError(t, ln.Close())
 	var stderr proctest.Buffer
 	done := make(chan result, 1)
 	go func() {
-		done <- e.exec(ctx, &stderr, kafka, relayArgs("--shards", "2", "--owner", "cli-test")...)
+		done <- e.exec(ctx, &stderr, kafka, relayArgs("--shards", "2", "--owner", "cli-test", "--metrics-addr", metricsAddr)...)
 	}()
 	require.Eventually(t, func() bool {
 		var held int
 		require.NoError(t, e.Pool.QueryRow(context.Background(), `SELECT count(*) FROM `+e.Q("txbox_lease")+` WHERE owner = 'cli-test' AND expires_at > now()`).Scan(&held))
 		return held > 0
 	}, 30*time.Second, 10*time.Millisecond, "the relay takes leases")
+	readyz := func() (int, string) {
+		res, err := http.Get("http://" + metricsAddr + "/readyz")
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer res.Body.Close()
+		body, _ := io.ReadAll(res.Body)
+		return res.StatusCode, string(body)
+	}
+	require.Eventually(t, func() bool { code, _ := readyz(); return code == http.StatusOK }, 30*time.Second, 10*time.Millisecond)
+	_, body := readyz()
+	require.Equal(t, "ready\n", body)
 
 	other := e.txbox(t, kafka, relayArgs("--shards", "4")...)
 	require.Equal(t, 1, other.code, other)

@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"time"
@@ -50,7 +51,7 @@ func (a *app) relayCommand() *cobra.Command {
 	f = a.setting(fs, text(&s.owner, nonEmpty), "owner", "TXBOX_RELAY_OWNER", "unique name of this relay in the lease table (default host-pid-random)")
 	annotate(f, annField, "Config.Owner")
 	a.setting(fs, text(&s.txPrefix, nonEmpty), "transactional-id-prefix", "TXBOX_TRANSACTIONAL_ID_PREFIX", "prefix of each shard's Kafka transactional.id; unique per outbox on a cluster")
-	a.setting(fs, text(&s.metricsAddr, hostPort(true)), "metrics-addr", "TXBOX_METRICS_ADDR", "address serving /metrics; empty disables it")
+	a.setting(fs, text(&s.metricsAddr, hostPort(true)), "metrics-addr", "TXBOX_METRICS_ADDR", "address serving /metrics and /readyz; empty disables both")
 	a.setting(fs, text(&s.lagGroups, list(nonEmpty)), "lag-groups", "TXBOX_LAG_GROUPS", "comma-separated consumer groups whose lag is exported as txbox_consumer_lag_messages")
 	f = a.setting(fs, shardsValue(&s.shards, outbox.Slots), "shards", "TXBOX_SHARDS", "number of shard leases; must divide 256 and be the same on every relay")
 	annotate(f, annField, "Config.Shards")
@@ -122,7 +123,7 @@ func (a *app) relayCommand() *cobra.Command {
 			a.log.Info("side-effect calls are not executed: " + relay.APIKeyEnvVar + " is not set")
 		}
 		if s.metricsAddr != "" {
-			stop, err := a.serveMetrics(s.metricsAddr, reg)
+			stop, err := a.serveMetrics(s.metricsAddr, reg, r.Ready)
 			if err != nil {
 				return err
 			}
@@ -150,14 +151,22 @@ func (a *app) warnBeyondLoopback(ln net.Listener, warning string) {
 	}
 }
 
-// serveMetrics serves /metrics on addr until stop is called.
-func (a *app) serveMetrics(addr string, reg *prometheus.Registry) (stop func(), err error) {
+// serveMetrics serves /metrics, and ready's verdict at /readyz (503 with its error, which names
+// no secret), on addr until stop is called.
+func (a *app) serveMetrics(addr string, reg *prometheus.Registry, ready func() error) (stop func(), err error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("--metrics-addr %s: %w", addr, err)
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if err := ready(); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = io.WriteString(w, "ready\n")
+	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {

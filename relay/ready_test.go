@@ -1,0 +1,82 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/relay"
+)
+
+// Ready is nil only while the relay runs with its database and its broker answering; otherwise it
+// says which of them keeps the relay from working. The Kafka outage needs a broker of the test's
+// own that it can break, so this test always uses an in-process cluster.
+func TestReadyNamesWhatKeepsTheRelayFromWorking(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cluster, err := kafkatest.Start()
+	require.NoError(t, err)
+	t.Cleanup(cluster.Close)
+	var kafkaDown atomic.Bool
+	cluster.Control(func(kmsg.Request) (kmsg.Response, error, bool) {
+		cluster.KeepControl()
+		if kafkaDown.Load() {
+			return nil, errors.New("broker down for the test"), true // closes the connection
+		}
+		return nil, nil, false
+	})
+	db := &flakyDB{Pool: b.env.Pool}
+	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: cluster.ListenAddrs(), TransactionalIDPrefix: b.env.Schema})
+	require.NoError(t, err)
+	r, err := relay.New(relay.Config{
+		DB: db, Sink: sink, Schema: b.env.Schema, Shards: 4,
+		LeaseTTL: time.Second, PollInterval: 10 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})),
+	})
+	require.NoError(t, err)
+	notReadyFor := func(reason string) func() bool {
+		return func() bool {
+			err := r.Ready()
+			return errors.Is(err, relay.ErrNotReady) && strings.Contains(err.Error(), reason)
+		}
+	}
+	require.True(t, notReadyFor("not running")(), "before Run: %v", r.Ready())
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+	ready := func() bool { return r.Ready() == nil }
+	require.Eventually(t, ready, 30*time.Second, 10*time.Millisecond, "running: %v", r.Ready())
+	b.write(t, true, "before", 5)
+	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
+
+	kafkaDown.Store(true)
+	b.write(t, true, "during-kafka-outage", 5)
+	require.Eventually(t, notReadyFor("publishing fails on"), 60*time.Second, 10*time.Millisecond, "Kafka down: %v", r.Ready())
+	kafkaDown.Store(false)
+	require.Eventually(t, ready, 60*time.Second, 10*time.Millisecond, "Kafka back: %v", r.Ready())
+	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
+
+	db.down.Store(true)
+	require.Eventually(t, notReadyFor("database: "), 30*time.Second, 10*time.Millisecond, "database down: %v", r.Ready())
+	require.ErrorIs(t, r.Ready(), errUnreachable, "the cause is kept")
+	db.down.Store(false)
+	require.Eventually(t, ready, 30*time.Second, 10*time.Millisecond, "database back: %v", r.Ready())
+
+	cancel()
+	require.NoError(t, <-done)
+	done <- nil // for the cleanup
+	require.True(t, notReadyFor("not running")(), "after Run: %v", r.Ready())
+}
