@@ -155,7 +155,7 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 		return "", fmt.Errorf("%w: %s: Call.Params: the request is %d bytes, over the %d-byte limit", ErrInvalidCall, key, len(payload), w.maxPayloadBytes)
 	}
 
-	meta := appendMetadata(nil, c.Metadata, traceFieldsOf(ctx))
+	meta := string(appendMetadata(nil, c.Metadata, traceFieldsOf(ctx))) // text, as in Publish
 
 	partitionKey := c.PartitionKey
 	if partitionKey == "" {

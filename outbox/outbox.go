@@ -112,7 +112,7 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 		// unpack.
 		msg := msgs[0]
 		key := msg.Metadata.Get(PartitionKeyMetadata)
-		meta := appendMetadata(make([]byte, 0, metadataSizeHint), msg.Metadata, trace)
+		meta := string(appendMetadata(make([]byte, 0, metadataSizeHint), msg.Metadata, trace))
 		if _, err := tx.Exec(ctx, w.insertMessage, topic, SlotOf(key, msg.UUID), key, msg.UUID, payloadOf(msg), meta); err != nil {
 			return fmt.Errorf("outbox: insert 1 message for %q: %w", topic, err)
 		}
@@ -123,7 +123,7 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 		keys     = make([]string, len(msgs))
 		uuids    = make([]string, len(msgs))
 		payloads = make([][]byte, len(msgs))
-		metas    = make([][]byte, len(msgs))
+		metas    = make([]string, len(msgs))
 		ends     = make([]int, len(msgs))
 		buf      = make([]byte, 0, len(msgs)*metadataSizeHint)
 	)
@@ -132,13 +132,15 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 		slots[i] = SlotOf(keys[i], msg.UUID)
 		uuids[i] = msg.UUID
 		payloads[i] = payloadOf(msg)
-		// All metadata goes into one buffer; it is sliced once complete, as appends move it.
+		// All metadata goes into one buffer; it is sliced once complete, as appends move it. It is
+		// passed as text, not []byte: pgx sends []byte as bytea in its simple-protocol and exec
+		// modes (PgBouncer's), which a text column would store as the hex of the JSON.
 		buf = appendMetadata(buf, msg.Metadata, trace)
 		ends[i] = len(buf)
 	}
-	start := 0
+	all, start := string(buf), 0
 	for i, end := range ends {
-		metas[i] = buf[start:end:end]
+		metas[i] = all[start:end]
 		start = end
 	}
 	if _, err := tx.Exec(ctx, w.insertMessages, topic, slots, keys, uuids, payloads, metas); err != nil {
