@@ -4,17 +4,20 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/failpoint"
+	"github.com/txbox/txbox/internal/inboxgen"
 )
 
 // deliverCtx is deliver with the message's context set, as a subscriber sets it.
@@ -104,6 +107,41 @@ func TestShutdownDoesNotUseUpAttempts(t *testing.T) {
 		ctx, cancel = context.WithCancel(context.Background())
 		defer cancel()
 		return deliverCtx(ctx, h, msg)
+	})
+}
+
+// A stop that cancels a delivery while its opening round trip is on the server, after the crash
+// marker committed and before its answer arrived (the generation lock, later in the round trip, is
+// held by a retention pass), leaves no unfinished attempt behind: such markers made the message a
+// crash suspect at its next delivery, and were charged to it as crashes.
+func TestShutdownDuringTheOpeningRoundTripLeavesNoMarker(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.inbox.Middleware(b.handler(nil))
+	msg := newMessage()
+	lockGenerations := "SELECT pg_advisory_xact_lock(" + strings.ReplaceAll(inboxgen.LockKey, "{schema}", pgx.Identifier{b.env.Schema}.Sanitize()) + ")"
+	transientFailures(t, b, h, msg, func() error {
+		ctx := context.Background()
+		rotation, err := b.env.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer rotation.Rollback(ctx) //nolint:errcheck // Ends the rotation.
+		_, err = rotation.Exec(ctx, lockGenerations)
+		require.NoError(t, err)
+
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		delivered := make(chan error, 1)
+		go func() { delivered <- deliverCtx(ctx, h, msg) }()
+		require.Eventually(t, func() bool {
+			return b.count(t, "txbox_inbox_attempt", "dedup_key = $1 AND unfinished > 0", msg.UUID) > 0
+		}, 10*time.Second, time.Millisecond, "the marker commits while the round trip waits for the lock")
+		cancel() // the router is stopping
+		time.Sleep(50 * time.Millisecond)
+		require.NoError(t, rotation.Rollback(context.Background()))
+		err = <-delivered
+		require.Zero(t, b.count(t, "txbox_inbox_attempt", "dedup_key = $1 AND unfinished > 0", msg.UUID),
+			"the stopped delivery's marker is left behind")
+		return err
 	})
 }
 

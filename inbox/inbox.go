@@ -316,16 +316,23 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 		// so none starts while a suspect runs alone.
 		ib.crashDomain.RLock()
 		mark := marker{args: ib.args(sc)}
+		// The round trip that writes the marker is not cut short when the delivery is cancelled
+		// (the router stopping): the server may have committed the marker before the answer came,
+		// and a marker that is never ended makes the message a crash suspect. Its statements bound
+		// their own waits; the cancelled delivery then fails in the handler as transient, and gives
+		// its attempt back.
+		marking, cancel := outliving(ctx, settleTimeout)
+		defer cancel()
 		if ib.duplicates.Load() {
 			// Redeliveries come in runs (a consumer restarted, a group reset): this one is most
 			// likely a duplicate too, which the marker alone answers in one round trip, where the
 			// transaction opened with it would cost a second one to end.
-			herr = ib.count(ctx, &mark)
+			herr = ib.count(marking, &mark)
 			if herr == nil && !mark.settled && !mark.suspect && mark.attempts < ib.cfg.MaxAttempts {
 				tx, herr = ib.open(ctx, msg, sc, shard, token, nil)
 			}
 		} else {
-			tx, herr = ib.open(ctx, msg, sc, shard, token, &mark)
+			tx, herr = ib.open(marking, msg, sc, shard, token, &mark)
 		}
 		ib.duplicates.Store(mark.settled || errors.Is(herr, errTaken))
 		if !mark.committed {
@@ -422,6 +429,23 @@ func (ib *Inbox) hit(ctx context.Context, sc scope) {
 // settleTimeout bounds the bookkeeping after a delivery failed, which runs even when the delivery's
 // context was cancelled.
 const settleTimeout = 5 * time.Second
+
+// outliving returns a context with ctx's values that ends grace after ctx is cancelled, for work
+// that must not stop halfway when the router stops. It keeps ctx's deadline: the delivery's own
+// limit still holds.
+func outliving(ctx context.Context, grace time.Duration) (context.Context, context.CancelFunc) {
+	base, endDeadline := context.WithoutCancel(ctx), context.CancelFunc(func() {})
+	if deadline, ok := ctx.Deadline(); ok {
+		base, endDeadline = context.WithDeadline(base, deadline)
+	}
+	out, cancel := context.WithCancel(base)
+	stop := context.AfterFunc(ctx, func() { time.AfterFunc(grace, cancel) })
+	return out, func() {
+		stop()
+		cancel()
+		endDeadline()
+	}
+}
 
 // endAttempt records how a counted delivery failed (alone: it ran as a crash suspect). A failure of
 // the message (the handler's error, or a crash, which never gets here) keeps its attempt and becomes
