@@ -292,7 +292,11 @@ func (a *app) dlqRedrive() *cobra.Command {
 		if err != nil {
 			return usagef("%v", err)
 		}
-		a.logStart(cmd, "letters", plan.Planned, "rate", float64(resolved.Rate), "burst", resolved.Burst, "batch_size", resolved.BatchSize)
+		pacing := any(float64(resolved.Rate))
+		if resolved.Rate == rate.Inf {
+			pacing = "unlimited"
+		}
+		a.logStart(cmd, "letters", plan.Planned, "rate", pacing, "burst", resolved.Burst, "batch_size", resolved.BatchSize)
 		var lastReport time.Time
 		opts.Progress = func(p dlq.RedriveProgress) {
 			if time.Since(lastReport) < time.Second && p.Moved < p.Total {

@@ -200,13 +200,16 @@ func TestDLQRedrive(t *testing.T) {
 	require.Zero(t, b.count(t, "txbox_outbox"))
 
 	// A hundred or fewer move without --rate.
-	out = b.ok(t, "dlq", "redrive", "--id", fmt.Sprint(inboxID))
+	r := b.txbox(t, nil, "dlq", "redrive", "--id", fmt.Sprint(inboxID))
+	require.Zero(t, r.code, r)
+	out = r.stdout
+	require.Regexp(t, `redrive starting" .*rate=unlimited `, r.stderr)
 	require.Contains(t, out, "redrove 1 letter(s) into the outbox")
 	require.Contains(t, out, "released 1 dead inbox row(s)")
 	require.Equal(t, 1, b.count(t, "txbox_outbox"))
 	require.Zero(t, b.count(t, "txbox_inbox"))
 
-	r := b.txbox(t, nil, "dlq", "redrive", "--source", "relay", "--rate", "100", "--batch-size", "40")
+	r = b.txbox(t, nil, "dlq", "redrive", "--source", "relay", "--rate", "100", "--batch-size", "40")
 	require.Zero(t, r.code, r)
 	out = r.stdout
 	require.Contains(t, out, "redrove 150 letter(s) into the outbox")
