@@ -106,6 +106,19 @@ func (s *KafkaSink) saramaConfig(shard int) *sarama.Config {
 	return c
 }
 
+// Check implements Checker: it asks the brokers for the cluster's metadata, as a producer does
+// first.
+func (s *KafkaSink) Check(ctx context.Context) error {
+	_, err := detached(ctx, func() (struct{}, error) {
+		client, err := sarama.NewClient(s.cfg.Brokers, s.saramaConfig(0))
+		if err != nil {
+			return struct{}{}, fmt.Errorf("kafka brokers %s: %w", strings.Join(s.cfg.Brokers, ","), err)
+		}
+		return struct{}{}, client.Close()
+	}, func(struct{}, error) {})
+	return err
+}
+
 // Open implements Sink. With transactions, creating the producer runs InitProducerId for the
 // shard's transactional.id, which bumps the epoch and fences the previous owner.
 func (s *KafkaSink) Open(ctx context.Context, shard int, token int64) (ShardPublisher, error) {

@@ -162,6 +162,22 @@ func (l *lease) run() (fenced bool) {
 	}
 }
 
+// awaitBroker runs call, which waits for the broker, and reports publishing as failing for the
+// shard while call has not returned after one LeaseTTL: sarama keeps retrying a broker that takes
+// connections but does not answer (a frozen or overloaded one) for minutes, without an error the
+// relay could log or Ready could show. An answer after that ends the shard's part in the outage.
+func (l *lease) awaitBroker(call func() error) error {
+	r := l.relay
+	silence := time.AfterFunc(r.cfg.LeaseTTL, func() {
+		r.publishing.fail(l.shard, fmt.Errorf("the broker has not answered for %v", r.cfg.LeaseTTL))
+	})
+	err := call()
+	if !silence.Stop() && err == nil {
+		r.publishing.settle(l.shard, 1)
+	}
+	return err
+}
+
 // open creates the shard's publisher after checking the lease is still ours: opening a Kafka
 // transactional producer fences whoever holds the shard's transactional.id, and that should never
 // be a newer owner. A relay can pause between the check and the open, though, and then fence the
@@ -172,7 +188,11 @@ func (l *lease) open() (ShardPublisher, error) {
 		return nil, err
 	}
 	failpoint.HitContext(l.ctx, "relay.before-open")
-	pub, err := l.relay.cfg.Sink.Open(l.ctx, l.shard, l.token)
+	var pub ShardPublisher
+	err := l.awaitBroker(func() (err error) {
+		pub, err = l.relay.cfg.Sink.Open(l.ctx, l.shard, l.token)
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -211,7 +231,7 @@ func (l *lease) cycle(pub ShardPublisher) (published int, more bool, err error) 
 		ids[i] = p.id
 	}
 	spans := l.startPublishSpans(msgs)
-	err = pub.Publish(l.ctx, msgs)
+	err = l.awaitBroker(func() error { return pub.Publish(l.ctx, msgs) })
 	endPublishSpans(spans, msgs, err)
 	if err != nil {
 		var refused *RejectedError

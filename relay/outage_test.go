@@ -3,7 +3,9 @@ package relay_test
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
+	"net"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -20,8 +22,8 @@ import (
 )
 
 // While Kafka refuses every connection the relay backs off, logs the outage once rather than on
-// every retry or for every shard (each of the four opens its producer, and fails), and publishes
-// everything once Kafka is back. The outage needs a broker of the
+// every retry or for every shard (each of the four fails), and publishes everything once Kafka is
+// back. The outage needs a broker of the
 // test's own that it can break, so this test always uses an in-process cluster.
 func TestRelayRidesOutAKafkaOutage(t *testing.T) {
 	t.Parallel()
@@ -33,7 +35,6 @@ func TestRelayRidesOutAKafkaOutage(t *testing.T) {
 
 	var down atomic.Bool
 	var refused atomic.Int64
-	down.Store(true)
 	cluster.Control(func(kmsg.Request) (kmsg.Response, error, bool) {
 		cluster.KeepControl()
 		if down.Load() {
@@ -43,7 +44,6 @@ func TestRelayRidesOutAKafkaOutage(t *testing.T) {
 		return nil, nil, false
 	})
 
-	uuids := b.write(t, true, "k", 20)
 	var logs proctest.Buffer
 	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers, TransactionalIDPrefix: b.env.Schema})
 	require.NoError(t, err)
@@ -61,6 +61,10 @@ func TestRelayRidesOutAKafkaOutage(t *testing.T) {
 		require.NoError(t, <-done)
 	})
 
+	// Kafka goes away once the relay runs (a relay starting without it waits, holding no shard).
+	require.Eventually(t, func() bool { return len(r.Shards()) == 4 }, 30*time.Second, 10*time.Millisecond)
+	down.Store(true)
+	uuids := b.write(t, true, "k", 20)
 	// Several retries are refused while Kafka is down; nothing is lost meanwhile.
 	require.Eventually(t, func() bool { return refused.Load() >= 20 }, 60*time.Second, 10*time.Millisecond)
 	require.Equal(t, 20, b.pending(t))
@@ -89,4 +93,72 @@ func TestRelayRidesOutAKafkaOutage(t *testing.T) {
 	require.Equal(t, 1, strings.Count(logs.String(), "publishing recovered"), "once, when the last shard recovers:\n%s", logs.String())
 	require.Equal(t, 1, strings.Count(logs.String(), "publishing failed"),
 		"the outage is logged once, not on every retry:\n%s", logs.String())
+}
+
+// A relay started with a broker address that answers nothing (a typo in a rollout) takes no shard
+// and does not count itself among the relays sharing them: the healthy relay keeps publishing
+// every shard. Once the address answers, it starts and takes its share.
+func TestARelayThatCannotReachTheBrokerLeavesTheShardsToOthers(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	healthy := b.startRelay(t, func(c *relay.Config) { c.Owner = "healthy" })
+	require.Eventually(t, func() bool { return len(healthy.Shards()) == 4 }, 30*time.Second, 10*time.Millisecond)
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close()) // Nothing answers there, for now.
+	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: []string{addr}, TransactionalIDPrefix: b.env.Schema})
+	require.NoError(t, err)
+	cut, err := relay.New(relay.Config{
+		DB: b.env.Pool, Sink: sink, Schema: b.env.Schema, Owner: "cut-off",
+		Shards: 4, LeaseTTL: 2 * time.Second, PollInterval: 10 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})),
+	})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- cut.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	require.Eventually(t, func() bool {
+		err := cut.Ready()
+		return err != nil && strings.Contains(err.Error(), "waiting for the broker to answer")
+	}, 30*time.Second, 10*time.Millisecond, "%v", cut.Ready())
+
+	b.write(t, true, "k", 20)
+	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
+	// Three lease rounds of the healthy relay (one every TTL/3): it never gives a shard up.
+	require.Never(t, func() bool { return len(healthy.Shards()) < 4 }, 2*time.Second, 10*time.Millisecond)
+	require.Empty(t, cut.Shards())
+
+	// The address answers: bootstrap connections reach the cluster through it.
+	ln, err = net.Listen("tcp", addr)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	go forward(ln, kafkatest.Brokers(t)[0])
+	require.Eventually(t, func() bool { return len(cut.Shards()) == 2 && cut.Ready() == nil }, 30*time.Second, 10*time.Millisecond,
+		"shards %v, ready: %v", cut.Shards(), cut.Ready())
+}
+
+// forward relays every connection ln accepts to target, until ln is closed.
+func forward(ln net.Listener, target string) {
+	for {
+		in, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer in.Close()
+			out, err := net.Dial("tcp", target)
+			if err != nil {
+				return
+			}
+			defer out.Close()
+			go func() { _, _ = io.Copy(out, in) }()
+			_, _ = io.Copy(in, out)
+		}()
+	}
 }

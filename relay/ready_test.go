@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -17,7 +18,8 @@ import (
 )
 
 // Ready is nil only while the relay runs with its database and its broker answering; otherwise it
-// says which of them keeps the relay from working. The Kafka outage needs a broker of the test's
+// says which of them keeps the relay from working: a broker that refuses connections, one that
+// takes them and answers nothing, a database that cannot be reached. The Kafka outage needs a broker of the test's
 // own that it can break, so this test always uses an in-process cluster.
 func TestReadyNamesWhatKeepsTheRelayFromWorking(t *testing.T) {
 	t.Parallel()
@@ -25,9 +27,14 @@ func TestReadyNamesWhatKeepsTheRelayFromWorking(t *testing.T) {
 	cluster, err := kafkatest.Start()
 	require.NoError(t, err)
 	t.Cleanup(cluster.Close)
-	var kafkaDown atomic.Bool
+	var kafkaDown, kafkaFrozen atomic.Bool
+	thaw, thawOnce := make(chan struct{}), sync.Once{}
+	t.Cleanup(func() { thawOnce.Do(func() { close(thaw) }) }) // a failed test must not leave the cluster frozen
 	cluster.Control(func(kmsg.Request) (kmsg.Response, error, bool) {
 		cluster.KeepControl()
+		if kafkaFrozen.Load() {
+			<-thaw // takes connections, answers nothing
+		}
 		if kafkaDown.Load() {
 			return nil, errors.New("broker down for the test"), true // closes the connection
 		}
@@ -67,6 +74,15 @@ func TestReadyNamesWhatKeepsTheRelayFromWorking(t *testing.T) {
 	require.Eventually(t, notReadyFor("publishing fails on"), 60*time.Second, 10*time.Millisecond, "Kafka down: %v", r.Ready())
 	kafkaDown.Store(false)
 	require.Eventually(t, ready, 60*time.Second, 10*time.Millisecond, "Kafka back: %v", r.Ready())
+	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
+
+	// A broker that takes connections and answers nothing gives sarama no error for minutes.
+	kafkaFrozen.Store(true)
+	b.write(t, true, "during-kafka-freeze", 5)
+	require.Eventually(t, notReadyFor("the broker has not answered for 1s"), 60*time.Second, 10*time.Millisecond, "Kafka frozen: %v", r.Ready())
+	kafkaFrozen.Store(false)
+	thawOnce.Do(func() { close(thaw) })
+	require.Eventually(t, ready, 60*time.Second, 10*time.Millisecond, "Kafka thawed: %v", r.Ready())
 	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
 
 	db.down.Store(true)

@@ -138,6 +138,7 @@ type Relay struct {
 	mu      sync.Mutex
 	held    map[int]*lease
 	running bool           // from a successful start until the stop begins, for Ready
+	sinkErr error          // why the broker did not answer at start-up (awaitSink), for Ready
 	dbErr   error          // why the last round of leases failed; nil once the database answers
 	winding sync.WaitGroup // workers of dropped or released leases, still stopping
 }
@@ -247,6 +248,10 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		return err
 	}
+	if err := r.awaitSink(ctx); err != nil {
+		r.log.Info("relay stopped before it started", "error", err)
+		return nil
+	}
 	r.log.Info("relay started", "shards", r.cfg.Shards, "lease_ttl", r.cfg.LeaseTTL)
 	r.setRunning(true)
 	r.metrics.LeaseTTL.Set(r.cfg.LeaseTTL.Seconds())
@@ -270,6 +275,38 @@ func (r *Relay) Run(ctx context.Context) error {
 		case l := <-lost:
 			r.drop(l, "fenced")
 		case <-timer.C:
+		}
+	}
+}
+
+// awaitSink returns once the sink's broker answers (see Checker), or with ctx's error when ctx
+// ends first. Until then the relay holds no lease and has not registered, so the running relays
+// keep every shard.
+func (r *Relay) awaitSink(ctx context.Context) error {
+	c, ok := r.cfg.Sink.(Checker)
+	if !ok {
+		return nil
+	}
+	for attempt := 1; ; attempt++ {
+		err := c.Check(ctx)
+		r.mu.Lock()
+		r.sinkErr = err
+		r.mu.Unlock()
+		switch {
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case err == nil && attempt > 1:
+			r.log.Info("the broker answers now")
+			return nil
+		case err == nil:
+			return nil
+		case attempt == 1:
+			r.log.Error("the broker does not answer; taking no shard until it does", "error", err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(min(backoff(attempt), r.cfg.LeaseTTL)):
 		}
 	}
 }
@@ -761,9 +798,12 @@ var ErrNotReady = errors.New("relay: not ready")
 // orchestrator sees one that cannot work.
 func (r *Relay) Ready() error {
 	r.mu.Lock()
-	running, dbErr := r.running, r.dbErr
+	running, dbErr, sinkErr := r.running, r.dbErr, r.sinkErr
 	r.mu.Unlock()
-	if !running {
+	switch {
+	case !running && sinkErr != nil:
+		return fmt.Errorf("%w: waiting for the broker to answer, holding no shard: %w", ErrNotReady, sinkErr)
+	case !running:
 		return fmt.Errorf("%w: not running (starting or stopping)", ErrNotReady)
 	}
 	var problems []error

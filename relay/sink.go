@@ -32,6 +32,15 @@ type Sink interface {
 	Open(ctx context.Context, shard int, token int64) (ShardPublisher, error)
 }
 
+// Checker is an optional interface of a Sink that can tell whether its broker answers. A relay
+// whose sink has it takes no lease, and does not count itself among the relays sharing the shards,
+// until Check succeeds: a relay that cannot reach the broker (a wrong address) leaves the shards to
+// the relays that can, instead of holding some and publishing nothing. KafkaSink has it.
+type Checker interface {
+	// Check returns nil once the broker answered, or why it did not.
+	Check(ctx context.Context) error
+}
+
 // ShardPublisher publishes the messages of one shard, in order.
 type ShardPublisher interface {
 	// Publish publishes msgs in order; all of them or, where the broker supports it, none of them
