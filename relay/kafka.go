@@ -7,6 +7,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -30,8 +31,11 @@ type KafkaConfig struct {
 	// specified, defaults to true (see NewKafkaSink).
 	Transactional *bool
 	// TransactionalIDPrefix prefixes each shard's transactional.id ("<prefix>-shard-<n>"). Relays of
-	// one outbox must share it; different outboxes on one cluster must not. Printable characters
-	// only; if not specified, defaults to "txbox".
+	// one outbox must share it, or a frozen relay's open transaction is not fenced by the new
+	// owner's producer; different outboxes on one cluster must not, or their producers fence each
+	// other all the time. Printable characters only. If not specified, the relay that runs the sink
+	// sets it to "txbox-" and the identity its outbox was given when migrated (migration 00012),
+	// which meets both conditions; a sink left so serves the relays of one outbox only.
 	TransactionalIDPrefix string
 	// Sarama, when set, is the base sarama configuration (TLS, SASL, client id...). txbox overrides
 	// the settings its guarantees rest on: idempotence, acks=all, one in-flight request, returned
@@ -51,6 +55,9 @@ type KafkaConfig struct {
 type KafkaSink struct {
 	cfg           KafkaConfig
 	transactional bool
+
+	mu     sync.Mutex
+	prefix string // the transactional IDs' prefix: the configured one, or the outbox's (bindOutbox)
 }
 
 // NewKafkaSink validates cfg and returns a KafkaSink.
@@ -63,9 +70,6 @@ func NewKafkaSink(cfg KafkaConfig) (*KafkaSink, error) {
 			return nil, fmt.Errorf("relay: KafkaConfig.Brokers: %q is not a host:port address", b)
 		}
 	}
-	if cfg.TransactionalIDPrefix == "" {
-		cfg.TransactionalIDPrefix = "txbox"
-	}
 	if strings.ContainsFunc(cfg.TransactionalIDPrefix, func(r rune) bool { return r < 0x20 || r == 0x7f }) {
 		return nil, fmt.Errorf("relay: KafkaConfig.TransactionalIDPrefix %q has control characters", cfg.TransactionalIDPrefix)
 	}
@@ -73,8 +77,12 @@ func NewKafkaSink(cfg KafkaConfig) (*KafkaSink, error) {
 		cfg.Marshaler = kafka.DefaultMarshaler{}
 	}
 	transactional := cfg.Transactional == nil || *cfg.Transactional
-	s := &KafkaSink{cfg: cfg, transactional: transactional}
-	if err := s.saramaConfig(0).Validate(); err != nil {
+	s := &KafkaSink{cfg: cfg, transactional: transactional, prefix: cfg.TransactionalIDPrefix}
+	validated := s.saramaConfig(0)
+	if validated.Producer.Transaction.ID == "-shard-0" {
+		validated.Producer.Transaction.ID = outboxPrefix("unbound") + "-shard-0" // As a relay will set it.
+	}
+	if err := validated.Validate(); err != nil {
 		return nil, fmt.Errorf("relay: KafkaConfig.Sarama: %w", err)
 	}
 	return s, nil
@@ -101,9 +109,35 @@ func (s *KafkaSink) saramaConfig(shard int) *sarama.Config {
 		c.Metadata.Retry.Backoff = 100 * time.Millisecond
 	}
 	if s.transactional {
-		c.Producer.Transaction.ID = s.cfg.TransactionalIDPrefix + "-shard-" + strconv.Itoa(shard)
+		c.Producer.Transaction.ID = s.transactionalIDPrefix() + "-shard-" + strconv.Itoa(shard)
 	}
 	return c
+}
+
+// outboxPrefix is the transactional IDs' prefix for the outbox whose identity is id.
+func outboxPrefix(id string) string { return "txbox-" + id }
+
+// bindOutbox gives a sink whose TransactionalIDPrefix was not specified the prefix of the outbox
+// whose relay runs it, and refuses a second outbox. It returns the prefix in use.
+func (s *KafkaSink) bindOutbox(id string) (string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.cfg.TransactionalIDPrefix != "":
+		return s.prefix, nil
+	case s.prefix == "":
+		s.prefix = outboxPrefix(id)
+	case s.prefix != outboxPrefix(id):
+		return "", errors.New("relay: one KafkaSink without a KafkaConfig.TransactionalIDPrefix serves the relays of two outboxes, " +
+			"whose producers would fence each other; give each relay a sink of its own")
+	}
+	return s.prefix, nil
+}
+
+func (s *KafkaSink) transactionalIDPrefix() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.prefix
 }
 
 // Check implements Checker: it asks the brokers for the cluster's metadata, as a producer does
@@ -122,6 +156,9 @@ func (s *KafkaSink) Check(ctx context.Context) error {
 // Open implements Sink. With transactions, creating the producer runs InitProducerId for the
 // shard's transactional.id, which bumps the epoch and fences the previous owner.
 func (s *KafkaSink) Open(ctx context.Context, shard int, token int64) (ShardPublisher, error) {
+	if s.transactional && s.transactionalIDPrefix() == "" {
+		return nil, errors.New("relay: KafkaSink opened before a relay gave it its outbox's transactional-ID prefix")
+	}
 	k, err := detached(ctx, func() (*kafkaShard, error) {
 		client, err := sarama.NewClient(s.cfg.Brokers, s.saramaConfig(shard))
 		if err != nil {

@@ -135,12 +135,13 @@ type Relay struct {
 	// active tells watch that a shard published rows: more are likely soon.
 	active chan struct{}
 
-	mu      sync.Mutex
-	held    map[int]*lease
-	running bool           // from a successful start until the stop begins, for Ready
-	sinkErr error          // why the broker did not answer at start-up (awaitSink), for Ready
-	dbErr   error          // why the last round of leases failed; nil once the database answers
-	winding sync.WaitGroup // workers of dropped or released leases, still stopping
+	mu       sync.Mutex
+	held     map[int]*lease
+	outboxID string         // the outbox's identity (migration 00012), read at start
+	running  bool           // from a successful start until the stop begins, for Ready
+	sinkErr  error          // why the broker did not answer at start-up (awaitSink), for Ready
+	dbErr    error          // why the last round of leases failed; nil once the database answers
+	winding  sync.WaitGroup // workers of dropped or released leases, still stopping
 }
 
 // New validates cfg and returns a Relay.
@@ -248,11 +249,19 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		return err
 	}
+	started := []any{"shards", r.cfg.Shards, "lease_ttl", r.cfg.LeaseTTL}
+	if k, ok := r.cfg.Sink.(*KafkaSink); ok && k.transactional {
+		prefix, err := k.bindOutbox(r.outboxID)
+		if err != nil {
+			return err
+		}
+		started = append(started, "transactional_id_prefix", prefix)
+	}
 	if err := r.awaitSink(ctx); err != nil {
 		r.log.Info("relay stopped before it started", "error", err)
 		return nil
 	}
-	r.log.Info("relay started", "shards", r.cfg.Shards, "lease_ttl", r.cfg.LeaseTTL)
+	r.log.Info("relay started", started...)
 	r.setRunning(true)
 	r.metrics.LeaseTTL.Set(r.cfg.LeaseTTL.Seconds())
 
@@ -339,6 +348,9 @@ func (r *Relay) prepareLeases(ctx context.Context) error {
 			}
 			if _, err := tx.Exec(ctx, r.sql.createLeases, r.cfg.Shards); err != nil {
 				return fmt.Errorf("relay: create leases: %w", err)
+			}
+			if err := tx.QueryRow(ctx, r.sql.identity).Scan(&r.outboxID); err != nil {
+				return fmt.Errorf("relay: read the outbox's identity (migration 00012): %w", err)
 			}
 			return nil
 		})

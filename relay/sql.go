@@ -29,7 +29,7 @@ const genericPlans = "force_generic_plan"
 
 type queries struct {
 	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
-	heartbeat, forgetNode, liveNodes, pruneNodes, nextExpiry,
+	identity, heartbeat, forgetNode, liveNodes, pruneNodes, nextExpiry,
 	acquire, renew, release, checkLease,
 	readMessages, dueSlots, refuseMessage, deleteRows, buryRow, completeMessages, stats string
 
@@ -53,6 +53,7 @@ func renderQueries(schema string, slots int) queries {
 			WHERE NOT EXISTS (SELECT 1 FROM {schema}.txbox_lease AS l WHERE l.shard = s)
 			ON CONFLICT (shard) DO NOTHING`),
 
+		identity: r(`SELECT outbox_id FROM {schema}.txbox_identity`),
 		heartbeat: r(`INSERT INTO {schema}.txbox_relay_node (owner, expires_at) VALUES ($1, now() + $2 * interval '1 millisecond')
 			ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at`),
 		forgetNode: r(`DELETE FROM {schema}.txbox_relay_node WHERE owner = $1`),

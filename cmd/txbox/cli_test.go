@@ -198,7 +198,7 @@ func TestUsageErrors(t *testing.T) {
 		{args: append(relay, "--poll-interval", "50ms", "--idle-poll-interval", "10ms"), want: []string{"--idle-poll-interval / TXBOX_IDLE_POLL_INTERVAL must be at least 50ms"}},
 		{args: append(relay, "--transactional=maybe"), want: []string{`--transactional / TXBOX_TRANSACTIONAL must be true or false, got "maybe"`}},
 		{args: append(relay, "--owner", " "), want: []string{"--owner / TXBOX_RELAY_OWNER must not be empty"}},
-		{args: append(relay, "--transactional-id-prefix", ""), want: []string{"--transactional-id-prefix / TXBOX_TRANSACTIONAL_ID_PREFIX must not be empty"}},
+		{args: append(relay, "--transactional-id-prefix", " "), want: []string{"--transactional-id-prefix / TXBOX_TRANSACTIONAL_ID_PREFIX must not be blank"}},
 		{args: append(relay, "--metrics-addr", "9464"), want: []string{`--metrics-addr / TXBOX_METRICS_ADDR must be host:port, got "9464"`}},
 		{args: append(relay, "--stripe-base-url", "ftp://stripe"), want: []string{"--stripe-base-url / TXBOX_STRIPE_BASE_URL must be an http(s) URL"}},
 		{args: append(relay, "--call-replay-window", "24h"), want: []string{"--call-replay-window / TXBOX_CALL_REPLAY_WINDOW must be a duration from 1m to 23h59m"}},

@@ -295,6 +295,14 @@ func nonEmpty(s string) error {
 	return nil
 }
 
+// notBlank allows "" (the setting's default) but not a value of only spaces.
+func notBlank(s string) error {
+	if s != "" && strings.TrimSpace(s) == "" {
+		return errors.New("must not be blank")
+	}
+	return nil
+}
+
 func schemaName(s string) error {
 	if _, err := sqlname.Schema(s); err != nil {
 		return fmt.Errorf("is not usable: %w", err)

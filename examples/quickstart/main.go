@@ -76,7 +76,7 @@ func run(ctx context.Context, out io.Writer, dsn string, brokers []string) error
 	fmt.Fprintln(out, "service: order-1 and its event committed in one transaction")
 
 	// 2. The relay publishes committed events to Kafka; in production, `txbox relay` does.
-	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers, TransactionalIDPrefix: schema})
+	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers})
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,86 @@
+package relay_test
+
+import (
+	"context"
+	"log/slog"
+	"regexp"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/internal/proctest"
+	"github.com/txbox/txbox/relay"
+)
+
+// Two outboxes publish to one Kafka cluster, each relay with the default transactional-ID prefix.
+// Each outbox's prefix derives from its own identity, so neither relay's producers fence the
+// other's (with one fixed default they did, several times a second, for as long as both ran). One
+// sink left without a prefix cannot serve the relays of both. The collision needs a cluster of
+// the test's own, so this test always uses an in-process cluster.
+func TestTwoOutboxesOnOneClusterDoNotFenceEachOther(t *testing.T) {
+	t.Parallel()
+	cluster, err := kafkatest.Start()
+	require.NoError(t, err)
+	t.Cleanup(cluster.Close)
+	brokers := cluster.ListenAddrs()
+
+	type outboxRelay struct {
+		b    *bundle
+		sink *relay.KafkaSink
+		logs *proctest.Buffer
+	}
+	run := func(t *testing.T, b *bundle, sink *relay.KafkaSink, logs *proctest.Buffer) <-chan error {
+		r, err := relay.New(relay.Config{
+			DB: b.env.Pool, Sink: sink, Schema: b.env.Schema, Shards: 4,
+			LeaseTTL: 2 * time.Second, PollInterval: 10 * time.Millisecond,
+			Logger: slog.New(slog.NewTextHandler(logs, nil)),
+		})
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		done, stopped := make(chan error, 1), make(chan struct{})
+		go func() {
+			done <- r.Run(ctx)
+			close(stopped)
+		}()
+		t.Cleanup(func() {
+			cancel()
+			<-stopped
+		})
+		return done
+	}
+	var outboxes []outboxRelay
+	for range 2 {
+		sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers})
+		require.NoError(t, err)
+		o := outboxRelay{b: setup(t), sink: sink, logs: &proctest.Buffer{}}
+		run(t, o.b, o.sink, o.logs)
+		outboxes = append(outboxes, o)
+	}
+	for range 5 {
+		for _, o := range outboxes {
+			o.b.write(t, true, "k", 50)
+		}
+		for _, o := range outboxes {
+			require.Eventually(t, func() bool { return o.b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
+		}
+	}
+	prefix := regexp.MustCompile(`transactional_id_prefix=(txbox-\w+)`)
+	var prefixes []string
+	for _, o := range outboxes {
+		require.NotContains(t, o.logs.String(), "producer fenced", "another outbox's relay fenced this one's producers")
+		m := prefix.FindStringSubmatch(o.logs.String())
+		require.NotNil(t, m, "the start line names the prefix:\n%s", o.logs.String())
+		prefixes = append(prefixes, m[1])
+	}
+	require.NotEqual(t, prefixes[0], prefixes[1])
+
+	done := run(t, outboxes[1].b, outboxes[0].sink, &proctest.Buffer{})
+	select {
+	case err := <-done:
+		require.ErrorContains(t, err, "serves the relays of two outboxes")
+	case <-time.After(30 * time.Second):
+		t.Fatal("a relay ran with another outbox's sink")
+	}
+}
