@@ -134,6 +134,10 @@ type Relay struct {
 
 	// active tells watch that a shard published rows: more are likely soon.
 	active chan struct{}
+	// rebalance asks Run for a balance now (see look); liveSeen is the number of live relays the
+	// last balance saw, balancedAt when it started (UnixNano).
+	rebalance            chan struct{}
+	liveSeen, balancedAt atomic.Int64
 
 	mu       sync.Mutex
 	held     map[int]*lease
@@ -219,6 +223,7 @@ func New(cfg Config) (*Relay, error) {
 		calling:    newOutage(log, "executing calls"),
 		held:       map[int]*lease{},
 		active:     make(chan struct{}, 1),
+		rebalance:  make(chan struct{}, 1),
 	}, nil
 }
 
@@ -283,6 +288,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			return nil
 		case l := <-lost:
 			r.drop(l, "fenced")
+		case <-r.rebalance:
 		case <-timer.C:
 		}
 	}
@@ -483,6 +489,7 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 	if ctx.Err() != nil {
 		return next
 	}
+	r.balancedAt.Store(time.Now().UnixNano())
 	ttl := r.cfg.LeaseTTL.Milliseconds()
 	if err := r.renew(ctx, ttl); err != nil {
 		r.logDB("renew leases", err)
@@ -509,6 +516,7 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 		return next
 	}
 	r.dbOK()
+	r.liveSeen.Store(int64(live))
 	if wake != nil {
 		next = min(next, max(time.Duration(*wake)*time.Millisecond, 0)+expirySlack)
 	}

@@ -100,9 +100,14 @@ func renderQueries(schema string, slots int) queries {
 				WHERE b.n = 1 OR b.bytes - b.size <= $3) AS c
 			ORDER BY id`),
 		// Which of the slots $1 have a message readMessages would return: one look into the
-		// index per slot, stopping at the first due row.
+		// index per slot, stopping at the first due row. And -1 when the leases call for a new
+		// balance: a lease of the layout $2 is free (released by a relay that stopped or gave up
+		// its extra shards), or the number of live relays is no longer $3.
 		dueSlots: r(`SELECT s.slot FROM unnest($1::smallint[]) AS s(slot)
-			WHERE EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS o WHERE o.kind = 'message' AND o.slot = s.slot AND ` + messageDue + `)`),
+			WHERE EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS o WHERE o.kind = 'message' AND o.slot = s.slot AND ` + messageDue + `)
+			UNION ALL
+			SELECT -1 WHERE EXISTS (SELECT 1 FROM {schema}.txbox_lease WHERE shards = $2 AND expires_at <= now())
+				OR (SELECT count(*) FROM {schema}.txbox_relay_node WHERE expires_at > now()) <> $3`),
 		// Counts a refused publish of one message and sets its next attempt $3 ms from now.
 		refuseMessage: r(`UPDATE {schema}.txbox_outbox
 			SET attempts = attempts + 1, first_attempt_at = coalesce(first_attempt_at, now()), last_error = left($2, 4000),

@@ -46,7 +46,9 @@ func (r *Relay) watch(ctx context.Context) {
 const fastLooks = 16
 
 // look wakes the parked workers whose slots have rows to publish, and reports whether there were
-// any.
+// any. It also asks the relay for a balance when the leases call for one (see rebalanceSoon): the
+// same query tells, so that shards a stopping relay released are taken over at once, not at the
+// next renewal.
 func (r *Relay) look(ctx context.Context) bool {
 	r.mu.Lock()
 	parked := map[int]*lease{}
@@ -58,11 +60,8 @@ func (r *Relay) look(ctx context.Context) bool {
 		}
 	}
 	r.mu.Unlock()
-	if len(parked) == 0 {
-		return false
-	}
 	var due []int16
-	err := r.read(ctx, r.sql.dueSlots, []any{slots}, func(rows pgx.Rows) (err error) {
+	err := r.read(ctx, r.sql.dueSlots, []any{slots, r.cfg.Shards, r.liveSeen.Load()}, func(rows pgx.Rows) (err error) {
 		due, err = pgx.CollectRows(rows, pgx.RowTo[int16])
 		return err
 	})
@@ -73,10 +72,33 @@ func (r *Relay) look(ctx context.Context) bool {
 		}
 		return false
 	}
+	found := false
 	for _, s := range due {
+		if s < 0 {
+			r.rebalanceSoon()
+			continue
+		}
 		parked[int(s)%r.cfg.Shards].wakeUp()
+		found = true
 	}
-	return len(due) > 0
+	return found
+}
+
+// rebalanceSoon asks Run for a balance, at most once per rebalanceGap: a free lease that cannot be
+// taken right now (its row locked by a frozen relay) must not make every look run one.
+func (r *Relay) rebalanceSoon() {
+	if time.Since(time.Unix(0, r.balancedAt.Load())) < r.rebalanceGap() {
+		return
+	}
+	select {
+	case r.rebalance <- struct{}{}:
+	default:
+	}
+}
+
+// rebalanceGap is the shortest time between balances that looks ask for: a few a second at most.
+func (r *Relay) rebalanceGap() time.Duration {
+	return max(min(r.cfg.LeaseTTL/20, 250*time.Millisecond), r.cfg.PollInterval)
 }
 
 // park waits until watch finds rows in the shard's slots, or the lease ends. A shard that has just
