@@ -130,10 +130,10 @@ func (a *app) dlqList() *cobra.Command {
 		}
 		now := time.Now()
 		tw := tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "ID\tSOURCE\tKIND\tTOPIC\tCONSUMER\tREASON\tATTEMPTS\tAGE\tUUID")
+		fmt.Fprintln(tw, "ID\tSOURCE\tKIND\tTOPIC\tCONSUMER\tHANDLER\tREASON\tATTEMPTS\tAGE\tUUID")
 		for _, l := range letters {
-			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\n", l.ID, l.Source, cell(l.Kind), cell(l.Topic), dash(cell(l.Consumer)),
-				cell(l.Reason), l.Attempts, formatAge(now.Sub(l.FirstFailedAt)), cell(l.UUID))
+			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\n", l.ID, l.Source, cell(l.Kind), column(l.Topic), dash(column(l.Consumer)),
+				dash(column(l.Handler)), column(l.Reason), l.Attempts, formatAge(now.Sub(l.FirstFailedAt)), column(l.UUID))
 		}
 		if err := tw.Flush(); err != nil {
 			return err
@@ -334,9 +334,10 @@ func (a *app) printRedrivePlan(ctx context.Context, pool *pgxpool.Pool, admin *d
 	}
 	fmt.Fprintln(a.stdout)
 	tw := tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tSOURCE\tTOPIC\tCONSUMER\tREASON\tUUID")
+	fmt.Fprintln(tw, "ID\tSOURCE\tTOPIC\tCONSUMER\tHANDLER\tREASON\tUUID")
 	for _, l := range letters {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\n", l.ID, l.Source, cell(l.Topic), dash(cell(l.Consumer)), cell(l.Reason), cell(l.UUID))
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", l.ID, l.Source, column(l.Topic), dash(column(l.Consumer)), dash(column(l.Handler)),
+			column(l.Reason), column(l.UUID))
 	}
 	if err := tw.Flush(); err != nil {
 		return err

@@ -87,7 +87,8 @@ func TestDLQList(t *testing.T) {
 	require.NoError(t, err)
 
 	out := b.ok(t, "dlq", "list")
-	require.Contains(t, out, "ID")
+	require.Regexp(t, `(?m)^ID +SOURCE +KIND +TOPIC +CONSUMER +HANDLER +REASON`, out)
+	require.Regexp(t, `billing +charge +attempts exhausted`, out, "two handlers' letters of one message are told apart")
 	require.Contains(t, out, "m-a")
 	require.Contains(t, out, "m-r")
 	require.Contains(t, out, "2d0h")

@@ -117,7 +117,7 @@ func printBacklog(w io.Writer, backlog []relay.ShardBacklog, rows []relay.Row, l
 	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tSHARD\tKIND\tTOPIC\tKEY\tATTEMPTS\tAGE\tLAST ERROR")
 	for _, r := range rows {
-		fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%s\t%d\t%s\t%s\n", r.ID, r.Shard, r.Kind, dash(cell(r.Topic)), dash(cell(r.PartitionKey)),
+		fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%s\t%d\t%s\t%s\n", r.ID, r.Shard, r.Kind, dash(column(r.Topic)), dash(column(r.PartitionKey)),
 			r.Attempts, formatAge(r.Age), dash(cell(truncate(r.LastError, 80))))
 	}
 	if err := tw.Flush(); err != nil {

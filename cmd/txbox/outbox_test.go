@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -37,6 +38,15 @@ func TestOutboxListShowBury(t *testing.T) {
 	require.Contains(t, out, "2 pending row(s) in 16 shard(s)")
 	require.Contains(t, out, "retired.topic")
 	require.Contains(t, out, "2 row(s)")
+
+	// One partition key of a megabyte does not widen every row of the table; show prints it whole.
+	long := b.pending(t, "orders", strings.Repeat("k", 1<<20), nil)
+	out = b.ok(t, "outbox", "list")
+	require.Less(t, len(out), 10_000, "the table is as wide as its longest key")
+	require.Contains(t, out, strings.Repeat("k", 59)+"…")
+	require.Contains(t, b.ok(t, "outbox", "show", fmt.Sprint(long)), strings.Repeat("k", 1<<20))
+	_, err := b.env.Pool.Exec(context.Background(), "DELETE FROM "+b.env.Q("txbox_outbox")+" WHERE id = $1", long)
+	require.NoError(t, err)
 
 	var listed struct {
 		Shards []shardJSON `json:"shards"`

@@ -10,3 +10,10 @@ func sanitize(s string, keepNewlines bool) string { return visible.Escape(s, kee
 
 // cell is sanitize for one table cell or one-line field.
 func cell(s string) string { return sanitize(s, false) }
+
+// column is cell for a column of a table of stored text (topics, keys, consumers, reasons):
+// shortened, so that one long value (a partition key of megabytes) does not widen every row. The
+// show commands and --json print it whole.
+func column(s string) string { return cell(truncate(s, columnWidth)) }
+
+const columnWidth = 60
