@@ -494,6 +494,9 @@ func TestRelayStartsAndStops(t *testing.T) {
 		return res.StatusCode, string(body)
 	}
 	require.Eventually(t, func() bool { code, _ := readyz(); return code == http.StatusOK }, 30*time.Second, 10*time.Millisecond)
+	var named int
+	require.NoError(t, e.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'txbox relay'`).Scan(&named))
+	require.Positive(t, named, "the relay's sessions are named in pg_stat_activity")
 	_, body := readyz()
 	require.Equal(t, "ready\n", body)
 

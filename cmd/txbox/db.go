@@ -31,9 +31,17 @@ func (a *app) databaseFlags(cmd *cobra.Command) *database {
 	return d
 }
 
-// open opens a pool on --database-url and checks that PostgreSQL answers.
+// open opens a pool on --database-url and checks that PostgreSQL answers. Its sessions are named
+// after the command ("txbox relay") in pg_stat_activity, unless the URL names them.
 func (d *database) open(ctx context.Context) (*pgxpool.Pool, error) {
-	pool, err := pgxpool.New(ctx, d.dsn)
+	cfg, err := pgxpool.ParseConfig(d.dsn)
+	if err != nil {
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	if cfg.ConnConfig.RuntimeParams["application_name"] == "" {
+		cfg.ConnConfig.RuntimeParams["application_name"] = d.cmd.CommandPath()
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
 	}
