@@ -160,6 +160,15 @@ func New(cfg Config) (*Cleaner, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	// Both work, but not as the settings say: worth a word, not a refusal.
+	if cfg.Interval > cfg.InboxGeneration {
+		cfg.Logger.Warn("retention: Interval is longer than InboxGeneration; a pass starts at most one generation, so each lasts about Interval",
+			"interval", cfg.Interval, "inbox_generation", cfg.InboxGeneration)
+	}
+	if cfg.InboxGeneration > cfg.InboxRetention {
+		cfg.Logger.Warn("retention: InboxGeneration is longer than InboxRetention; the current generation, which is never dropped, "+
+			"outlives the retention, and its old rows are deleted one by one", "inbox_generation", cfg.InboxGeneration, "inbox_retention", cfg.InboxRetention)
+	}
 	return &Cleaner{cfg: cfg, schema: cfg.Schema, quoted: quoted, sql: renderQueries(quoted)}, nil
 }
 

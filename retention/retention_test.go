@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/internal/pgtest"
+	"github.com/txbox/txbox/internal/proctest"
 	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/retention"
 )
@@ -143,8 +144,18 @@ func TestConfigValidation(t *testing.T) {
 			require.ErrorContains(t, err, tc.want)
 		})
 	}
-	_, err := retention.New(retention.Config{DB: env.Pool, BrokerRetention: 14 * day})
+	var logs proctest.Buffer
+	logger := slog.New(slog.NewTextHandler(&logs, nil))
+	_, err := retention.New(retention.Config{DB: env.Pool, BrokerRetention: 14 * day, Logger: logger})
 	require.NoError(t, err, "the defaults are valid for Kafka's defaults: 7 days of retention.ms plus 7 of segment.ms")
+	require.Empty(t, logs.String(), "the defaults are worth no warning")
+
+	// Settings that work, but not as they say, are valid and warned about.
+	_, err = retention.New(retention.Config{DB: env.Pool, BrokerRetention: time.Hour, InboxRetention: 2 * time.Hour,
+		InboxGeneration: 3 * time.Hour, Interval: 4 * time.Hour, Logger: logger})
+	require.NoError(t, err)
+	require.Contains(t, logs.String(), "Interval is longer than InboxGeneration")
+	require.Contains(t, logs.String(), "InboxGeneration is longer than InboxRetention")
 }
 
 func TestRunOnceDeletesOldProcessedRowsInBatches(t *testing.T) {
