@@ -77,7 +77,11 @@ func printStatus(out io.Writer, rep *status.Report) error {
 
 	fmt.Fprintf(tw, "schema %s at %s (database clock)\n", cell(rep.Schema), at.UTC().Format(time.RFC3339))
 
-	section(fmt.Sprintf("OUTBOX: %d pending, oldest %s", rep.Outbox.Pending, secs(rep.Outbox.OldestPendingSeconds)),
+	outbox := "OUTBOX: nothing pending"
+	if rep.Outbox.Pending > 0 {
+		outbox = fmt.Sprintf("OUTBOX: %d pending, oldest %s", rep.Outbox.Pending, secs(rep.Outbox.OldestPendingSeconds))
+	}
+	section(outbox,
 		"SHARD\tMESSAGES\tCALLS\tFAILING\tOLDEST\tPUBLISHED BY", len(rep.Outbox.Shards))
 	for _, s := range rep.Outbox.Shards {
 		oldest, owner := "-", cell(s.Owner)
