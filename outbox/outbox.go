@@ -101,8 +101,11 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 	if err := checkText(ErrInvalidMessage, "topic", topic); err != nil {
 		return err
 	}
-	for _, msg := range msgs {
+	for i, msg := range msgs {
 		if err := w.validate(msg); err != nil {
+			if len(msgs) > 1 {
+				return fmt.Errorf("%w (message %d of %d; nothing was written)", err, i+1, len(msgs))
+			}
 			return err
 		}
 	}

@@ -185,6 +185,9 @@ func TestInvalidMessagesAreRefusedWholesale(t *testing.T) {
 		err := w.Publish(context.Background(), env.Pool, tc.topic, ok, tc.msg)
 		require.ErrorIs(t, err, outbox.ErrInvalidMessage, name)
 		require.ErrorContains(t, err, tc.want, name)
+		if tc.topic == "t" { // The message, not the topic, is at fault.
+			require.ErrorContains(t, err, "(message 2 of 2; nothing was written)", name)
+		}
 	}
 	require.Empty(t, rows(t, env), "nothing written when any message is invalid")
 }
