@@ -48,6 +48,9 @@ type lease struct {
 	// ahead is the next batch, read by the last completion when readAhead is set.
 	ahead     []pendingRow
 	readAhead bool
+	// uncompleted holds the ids of rows the broker has but whose completion failed, for the next
+	// cycle to complete before it reads.
+	uncompleted []int64
 }
 
 // pendingRow is one outbox row read for publishing.
@@ -211,6 +214,15 @@ func checkOnly(pgx.Tx) error { return nil }
 // a refused message), so that the next cycle should run at once.
 func (l *lease) cycle(pub ShardPublisher) (published int, more bool, err error) {
 	r := l.relay
+	if len(l.uncompleted) > 0 {
+		// The broker has these rows, but the completion that deletes them failed (a connection
+		// lost): delete them first, or the read below would publish them again.
+		if err := l.complete(l.uncompleted, false); err != nil {
+			return 0, false, err
+		}
+		r.metrics.Published.Add(float64(len(l.uncompleted)))
+		l.uncompleted = nil
+	}
 	batch, err := l.next()
 	if err != nil {
 		return 0, false, err
@@ -258,6 +270,7 @@ func (l *lease) cycle(pub ShardPublisher) (published int, more bool, err error) 
 	failpoint.HitContext(l.ctx, "relay.after-publish")
 
 	if err := l.complete(ids, more); err != nil {
+		l.uncompleted = ids
 		return 0, false, err
 	}
 	failpoint.HitContext(l.ctx, "relay.after-complete")

@@ -117,3 +117,46 @@ func TestLeaseRecheckThatFailsKeepsTheShard(t *testing.T) {
 	require.NotContains(t, logs.String(), "lease lost")
 	require.True(t, strings.Contains(logs.String(), "could not check the lease"), logs.String())
 }
+
+// The broker committed a batch, and the completion that deletes its rows fails to start (a lost
+// connection): the relay completes those rows before it reads again, rather than publish them a
+// second time.
+func TestAFailedCompletionDoesNotPublishTheBatchAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	c := b.collect(t)
+	db := &flakyDB{Pool: b.env.Pool}
+	var armed atomic.Bool
+	ctx := failpoint.WithHook(context.Background(), "relay.after-publish", func() {
+		if armed.CompareAndSwap(true, false) {
+			db.failNext.Store(true)
+		}
+	})
+	r, err := relay.New(relay.Config{
+		DB: db, Sink: b.kafkaSink(t, kafkatest.Brokers(t), true), Schema: b.env.Schema,
+		Shards: 1, LeaseTTL: 30 * time.Second, PollInterval: 10 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelError + 1})),
+	})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	require.Eventually(t, func() bool { return len(r.Shards()) == 1 }, 30*time.Second, 10*time.Millisecond)
+
+	armed.Store(true)
+	batch := b.write(t, true, "k", 20)
+	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
+	require.EqualValues(t, 1, db.failed.Load(), "the completion failed once")
+	// A later message of the same key arrives after any second copy of the batch would.
+	last := b.write(t, true, "k", 1)
+	require.Eventually(t, func() bool { return c.has(last...) }, 30*time.Second, 10*time.Millisecond)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, u := range batch {
+		require.Equal(t, 1, c.seen[u], "message %s published %d times", u, c.seen[u])
+	}
+}
