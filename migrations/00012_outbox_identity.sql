@@ -5,7 +5,12 @@
 -- the identity with it: point such a copy at another Kafka cluster, or give its relays their own
 -- --transactional-id-prefix.
 
+-- Each relay also records the prefix it publishes with, so that a relay started with another
+-- prefix than the running relays of its outbox is refused.
+
 -- +goose Up
+ALTER TABLE txbox_relay_node ADD COLUMN transactional_id_prefix text;
+
 CREATE TABLE txbox_identity (
     only_row  boolean PRIMARY KEY DEFAULT true CHECK (only_row),
     outbox_id text    NOT NULL DEFAULT substr(md5(random()::text || clock_timestamp()::text), 1, 16)
@@ -14,3 +19,4 @@ INSERT INTO txbox_identity DEFAULT VALUES;
 
 -- +goose Down
 DROP TABLE txbox_identity;
+ALTER TABLE txbox_relay_node DROP COLUMN transactional_id_prefix;

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"regexp"
+	"strconv"
 	"testing"
 	"time"
 
@@ -17,7 +18,8 @@ import (
 // Two outboxes publish to one Kafka cluster, each relay with the default transactional-ID prefix.
 // Each outbox's prefix derives from its own identity, so neither relay's producers fence the
 // other's (with one fixed default they did, several times a second, for as long as both ran). One
-// sink left without a prefix cannot serve the relays of both. The collision needs a cluster of
+// sink left without a prefix cannot serve the relays of both, and a relay with a prefix of its own
+// does not start beside the running relay of its outbox. The collision needs a cluster of
 // the test's own, so this test always uses an in-process cluster.
 func TestTwoOutboxesOnOneClusterDoNotFenceEachOther(t *testing.T) {
 	t.Parallel()
@@ -82,5 +84,17 @@ func TestTwoOutboxesOnOneClusterDoNotFenceEachOther(t *testing.T) {
 		require.ErrorContains(t, err, "serves the relays of two outboxes")
 	case <-time.After(30 * time.Second):
 		t.Fatal("a relay ran with another outbox's sink")
+	}
+
+	// A relay of the first outbox with a prefix of its own would not be fenced by its relay.
+	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers, TransactionalIDPrefix: "elsewhere"})
+	require.NoError(t, err)
+	done = run(t, outboxes[0].b, sink, &proctest.Buffer{})
+	select {
+	case err := <-done:
+		require.ErrorContains(t, err, `KafkaConfig.TransactionalIDPrefix is "elsewhere" but running relay`)
+		require.ErrorContains(t, err, "publishes with "+strconv.Quote(prefixes[0]))
+	case <-time.After(30 * time.Second):
+		t.Fatal("a relay ran with another prefix than the running relay of its outbox")
 	}
 }

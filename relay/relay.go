@@ -139,13 +139,13 @@ type Relay struct {
 	rebalance            chan struct{}
 	liveSeen, balancedAt atomic.Int64
 
-	mu       sync.Mutex
-	held     map[int]*lease
-	outboxID string         // the outbox's identity (migration 00012), read at start
-	running  bool           // from a successful start until the stop begins, for Ready
-	sinkErr  error          // why the broker did not answer at start-up (awaitSink), for Ready
-	dbErr    error          // why the last round of leases failed; nil once the database answers
-	winding  sync.WaitGroup // workers of dropped or released leases, still stopping
+	mu      sync.Mutex
+	held    map[int]*lease
+	prefix  string         // the Kafka transactional IDs' prefix; "" without transactions
+	running bool           // from a successful start until the stop begins, for Ready
+	sinkErr error          // why the broker did not answer at start-up (awaitSink), for Ready
+	dbErr   error          // why the last round of leases failed; nil once the database answers
+	winding sync.WaitGroup // workers of dropped or released leases, still stopping
 }
 
 // New validates cfg and returns a Relay.
@@ -255,12 +255,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		return err
 	}
 	started := []any{"shards", r.cfg.Shards, "lease_ttl", r.cfg.LeaseTTL}
-	if k, ok := r.cfg.Sink.(*KafkaSink); ok && k.transactional {
-		prefix, err := k.bindOutbox(r.outboxID)
-		if err != nil {
-			return err
-		}
-		started = append(started, "transactional_id_prefix", prefix)
+	if r.prefix != "" {
+		started = append(started, "transactional_id_prefix", r.prefix)
 	}
 	if err := r.awaitSink(ctx); err != nil {
 		r.log.Info("relay stopped before it started", "error", err)
@@ -292,6 +288,36 @@ func (r *Relay) Run(ctx context.Context) error {
 		case <-timer.C:
 		}
 	}
+}
+
+// checkPrefix gives a KafkaSink that publishes in transactions the prefix of its transactional IDs
+// (see KafkaConfig.TransactionalIDPrefix), and refuses to start beside a live relay of the outbox
+// that publishes with another: their producers would not fence each other.
+func (r *Relay) checkPrefix(ctx context.Context, tx pgx.Tx) error {
+	k, ok := r.cfg.Sink.(*KafkaSink)
+	if !ok || !k.transactional {
+		return nil
+	}
+	var id string
+	if err := tx.QueryRow(ctx, r.sql.identity).Scan(&id); err != nil {
+		return fmt.Errorf("relay: read the outbox's identity (migration 00012): %w", err)
+	}
+	prefix, err := k.bindOutbox(id)
+	if err != nil {
+		return err
+	}
+	var owner, other string
+	err = tx.QueryRow(ctx, r.sql.liveOtherPrefix, r.cfg.Owner, prefix).Scan(&owner, &other)
+	switch {
+	case err == nil:
+		return fmt.Errorf("relay: KafkaConfig.TransactionalIDPrefix is %q but running relay %q publishes with %q; "+
+			"the relays of one outbox must share it, or a frozen relay's open Kafka transaction is not fenced: use %q, or stop them first",
+			prefix, owner, other, other)
+	case !errors.Is(err, pgx.ErrNoRows):
+		return fmt.Errorf("relay: check the transactional-ID prefix: %w", err)
+	}
+	r.prefix = prefix
+	return nil
 }
 
 // awaitSink returns once the sink's broker answers (see Checker), or with ctx's error when ctx
@@ -355,10 +381,7 @@ func (r *Relay) prepareLeases(ctx context.Context) error {
 			if _, err := tx.Exec(ctx, r.sql.createLeases, r.cfg.Shards); err != nil {
 				return fmt.Errorf("relay: create leases: %w", err)
 			}
-			if err := tx.QueryRow(ctx, r.sql.identity).Scan(&r.outboxID); err != nil {
-				return fmt.Errorf("relay: read the outbox's identity (migration 00012): %w", err)
-			}
-			return nil
+			return r.checkPrefix(ctx, tx)
 		})
 		if !timedOut(err) || ctx.Err() != nil {
 			return err
@@ -500,7 +523,7 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 	var live int
 	var wake *int64
 	err := r.bounded(ctx, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, r.sql.heartbeat, r.cfg.Owner, ttl); err != nil {
+		if _, err := tx.Exec(ctx, r.sql.heartbeat, r.cfg.Owner, ttl, r.prefix); err != nil {
 			return err
 		}
 		if _, err := tx.Exec(ctx, r.sql.pruneNodes); err != nil {

@@ -29,7 +29,7 @@ const genericPlans = "force_generic_plan"
 
 type queries struct {
 	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
-	identity, heartbeat, forgetNode, liveNodes, pruneNodes, nextExpiry,
+	identity, heartbeat, liveOtherPrefix, forgetNode, liveNodes, pruneNodes, nextExpiry,
 	acquire, renew, release, checkLease,
 	readMessages, dueSlots, refuseMessage, deleteRows, buryRow, completeMessages, stats string
 
@@ -54,8 +54,12 @@ func renderQueries(schema string, slots int) queries {
 			ON CONFLICT (shard) DO NOTHING`),
 
 		identity: r(`SELECT outbox_id FROM {schema}.txbox_identity`),
-		heartbeat: r(`INSERT INTO {schema}.txbox_relay_node (owner, expires_at) VALUES ($1, now() + $2 * interval '1 millisecond')
-			ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at`),
+		heartbeat: r(`INSERT INTO {schema}.txbox_relay_node (owner, expires_at, transactional_id_prefix)
+			VALUES ($1, now() + $2 * interval '1 millisecond', nullif($3, ''))
+			ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at, transactional_id_prefix = excluded.transactional_id_prefix`),
+		// A live relay of the outbox that publishes with another transactional-ID prefix than $2.
+		liveOtherPrefix: r(`SELECT owner, transactional_id_prefix FROM {schema}.txbox_relay_node
+			WHERE expires_at > now() AND owner <> $1 AND transactional_id_prefix <> $2 LIMIT 1`),
 		forgetNode: r(`DELETE FROM {schema}.txbox_relay_node WHERE owner = $1`),
 		liveNodes:  r(`SELECT count(*) FROM {schema}.txbox_relay_node WHERE expires_at > now()`),
 		pruneNodes: r(`DELETE FROM {schema}.txbox_relay_node WHERE expires_at < now() - interval '1 hour'`),

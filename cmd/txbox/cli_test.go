@@ -504,6 +504,9 @@ func TestRelayStartsAndStops(t *testing.T) {
 	require.Equal(t, 1, other.code, other)
 	require.Contains(t, other.stderr, "--shards / TXBOX_SHARDS is 4 but running relays hold leases of a 2-shard layout")
 	require.NotContains(t, other.stderr, "Config.")
+	other = e.txbox(t, kafka, relayArgs("--shards", "2", "--transactional-id-prefix", "elsewhere")...)
+	require.Equal(t, 1, other.code, other)
+	require.Contains(t, other.stderr, `--transactional-id-prefix / TXBOX_TRANSACTIONAL_ID_PREFIX is "elsewhere" but running relay "cli-test" publishes with "`+e.Schema+`"`)
 
 	cancel()
 	select {

@@ -50,8 +50,9 @@ func (a *app) relayCommand() *cobra.Command {
 	annotate(f, annField, "KafkaConfig.Brokers")
 	f = a.setting(fs, text(&s.owner, nonEmpty), "owner", "TXBOX_RELAY_OWNER", "unique name of this relay in the lease table (default host-pid-random)")
 	annotate(f, annField, "Config.Owner")
-	a.setting(fs, text(&s.txPrefix, notBlank), "transactional-id-prefix", "TXBOX_TRANSACTIONAL_ID_PREFIX",
+	f = a.setting(fs, text(&s.txPrefix, notBlank), "transactional-id-prefix", "TXBOX_TRANSACTIONAL_ID_PREFIX",
 		"prefix of each shard's Kafka transactional.id: the same for every relay of an outbox, unique per outbox on a cluster; default txbox-<the outbox's identity>, which is both")
+	annotate(f, annField, "KafkaConfig.TransactionalIDPrefix")
 	a.setting(fs, text(&s.metricsAddr, hostPort(true)), "metrics-addr", "TXBOX_METRICS_ADDR", "address serving /metrics and /readyz; empty disables both")
 	a.setting(fs, text(&s.lagGroups, list(nonEmpty)), "lag-groups", "TXBOX_LAG_GROUPS", "comma-separated consumer groups whose lag is exported as txbox_consumer_lag_messages")
 	f = a.setting(fs, shardsValue(&s.shards, outbox.Slots), "shards", "TXBOX_SHARDS", "number of shard leases; must divide 256 and be the same on every relay")
