@@ -114,6 +114,14 @@ func ReplyUUID(idempotencyKey string) string {
 	return uuid.NewSHA1(callNamespace, []byte("reply:"+idempotencyKey)).String()
 }
 
+// RejectedReplyUUID is the UUID of the reply to the call with idempotencyKey when the provider
+// rejected it (OutcomeRejected). The provider stores no outcome for a request it refused, so a
+// call written again with the key, its parameters corrected, executes; its reply, under ReplyUUID,
+// must not be taken by the consumer's inbox for a copy of the rejection.
+func RejectedReplyUUID(idempotencyKey string) string {
+	return uuid.NewSHA1(callNamespace, []byte("rejected-reply:"+idempotencyKey)).String()
+}
+
 // Call writes c into the outbox through tx and returns its idempotency key. Unless c carries an
 // explicit key, the key is derived (IdempotencyKey) from the consumer, handler and dedup key that
 // the inbox middleware put in ctx (see ContextWithSource) and c.Name, so a redelivered message yields the same

@@ -400,7 +400,11 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 		if err != nil {
 			return err
 		}
-		msg := message.NewMessage(outbox.ReplyUUID(row.key), payload)
+		id := outbox.ReplyUUID(row.key)
+		if res.Outcome == outbox.OutcomeRejected {
+			id = outbox.RejectedReplyUUID(row.key)
+		}
+		msg := message.NewMessage(id, payload)
 		for k, val := range meta {
 			msg.Metadata.Set(k, val)
 		}

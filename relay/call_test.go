@@ -737,3 +737,40 @@ func (b *callBundle) consumeReplies(t *testing.T, topic string, deliveries *atom
 	})
 	txtest.RunRouter(t, router)
 }
+
+// A call the provider rejected (it stores no outcome for a request it refused) is written again
+// with its explicit key and corrected parameters: it executes, its outcome replaces the rejection
+// as the key's result, and its reply is not the rejection's UUID, which the consumer's inbox would
+// take for a copy and drop.
+func TestACallRejectedAndWrittenAgainWithItsKeyIsExecuted(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	b.startCallRelay(t, nil)
+	const key = "order-17-charge"
+	wrong := chargeCall(key, 1000)
+	wrong.Params.Del("currency")
+	b.enqueue(t, wrong)
+	require.Equal(t, outbox.OutcomeRejected, b.waitResult(t, key).outcome)
+
+	b.enqueue(t, chargeCall(key, 1000))
+	require.Eventually(t, func() bool { r, _ := b.result(t, key); return r.outcome == outbox.OutcomeSucceeded }, 30*time.Second,
+		10*time.Millisecond, "the corrected call's outcome is the key's result")
+	require.Equal(t, 1, b.stripe.ChargesFor(key))
+	require.Zero(t, b.pendingCalls(t))
+	require.Eventually(t, func() bool { return len(b.sink.replies(key)) > 0 }, 30*time.Second, 10*time.Millisecond,
+		"the success has its reply")
+	replies := b.sink.replies(key)
+	require.Len(t, replies, 1)
+	res, err := outbox.ParseCallResult(replies[0].Msg)
+	require.NoError(t, err)
+	require.Equal(t, outbox.OutcomeSucceeded, res.Outcome)
+	b.sink.mu.Lock()
+	defer b.sink.mu.Unlock()
+	var rejections int
+	for _, m := range b.sink.msgs {
+		if m.Msg.UUID == outbox.RejectedReplyUUID(key) {
+			rejections++
+		}
+	}
+	require.Equal(t, 1, rejections, "the rejection had its own reply")
+}

@@ -157,10 +157,17 @@ func renderQueries(schema string, slots int) queries {
 			WHERE id = $1`),
 		// A key used by two calls (an explicit key written twice) keeps its first result: the second
 		// call got the provider's replay of it.
-		insertCallResult: r(`INSERT INTO {schema}.txbox_call_result
+		// A key's result is its first outcome the provider stored, so a call written again with
+		// the key (the provider replays that outcome) keeps it. A rejection the provider does not
+		// store: the next call with the key executes, and its outcome replaces the rejection. The
+		// key's first attempt stays, for the replay window.
+		insertCallResult: r(`INSERT INTO {schema}.txbox_call_result AS c
 			(idempotency_key, call_uuid, outcome, http_status, object_id, body, attempts, duration_ms, first_attempt_at)
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-			ON CONFLICT (idempotency_key) DO NOTHING`),
+			ON CONFLICT (idempotency_key) DO UPDATE SET outcome = excluded.outcome, http_status = excluded.http_status,
+				object_id = excluded.object_id, body = excluded.body, attempts = excluded.attempts,
+				duration_ms = excluded.duration_ms, completed_at = now()
+			WHERE c.outcome = 'rejected'`),
 	}
 }
 
