@@ -135,9 +135,10 @@ type Relay struct {
 	// active tells watch that a shard published rows: more are likely soon.
 	active chan struct{}
 	// rebalance asks Run for a balance now (see look); liveSeen is the number of live relays the
-	// last balance saw, balancedAt when it started (UnixNano).
-	rebalance            chan struct{}
-	liveSeen, balancedAt atomic.Int64
+	// last balance saw; probedAt is when look last asked, used by watch's goroutine only.
+	rebalance chan struct{}
+	liveSeen  atomic.Int64
+	probedAt  time.Time
 
 	mu      sync.Mutex
 	held    map[int]*lease
@@ -512,7 +513,6 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 	if ctx.Err() != nil {
 		return next
 	}
-	r.balancedAt.Store(time.Now().UnixNano())
 	ttl := r.cfg.LeaseTTL.Milliseconds()
 	if err := r.renew(ctx, ttl); err != nil {
 		r.logDB("renew leases", err)

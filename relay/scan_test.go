@@ -178,7 +178,8 @@ func TestReadsAreBoundedByTheBatch(t *testing.T) {
 		{"read calls", q.readCalls, DefaultCallBatchSize, func(shard int) []any {
 			return []any{slotsOf(shard, scanShards), DefaultCallBatchSize}
 		}},
-		{"look for due messages", q.dueSlots, 0, func(shard int) []any { return []any{slotsOf(shard, scanShards), scanShards, 1} }},
+		{"look for due messages", q.dueSlots, 0, func(shard int) []any { return []any{slotsOf(shard, scanShards)} }},
+		{"look for due messages and balance", q.dueSlotsOrBalance, 0, func(shard int) []any { return []any{slotsOf(shard, scanShards), scanShards, 1} }},
 		{"complete messages", q.completeMessages, batch, func(shard int) []any { return []any{firstIDs, shard, token} }},
 	} {
 		for _, shard := range []int{idleShard, busyShard} {

@@ -31,7 +31,7 @@ type queries struct {
 	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
 	identity, heartbeat, liveOtherPrefix, forgetNode, liveNodes, pruneNodes, nextExpiry,
 	acquire, renew, release, checkLease,
-	readMessages, dueSlots, refuseMessage, deleteRows, buryRow, completeMessages, stats string
+	readMessages, dueSlots, dueSlotsOrBalance, refuseMessage, deleteRows, buryRow, completeMessages, stats string
 
 	readCalls, startCall, rescheduleCall, insertCallResult string
 }
@@ -103,12 +103,8 @@ func renderQueries(schema string, slots int) queries {
 					WINDOW w AS (ORDER BY m.id)) AS b
 				WHERE b.n = 1 OR b.bytes - b.size <= $3) AS c
 			ORDER BY id`),
-		// Which of the slots $1 have a message readMessages would return: one look into the
-		// index per slot, stopping at the first due row. And -1 when the leases call for a new
-		// balance: a lease of the layout $2 is free (released by a relay that stopped or gave up
-		// its extra shards), or the number of live relays is no longer $3.
-		dueSlots: r(`SELECT s.slot FROM unnest($1::smallint[]) AS s(slot)
-			WHERE EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS o WHERE o.kind = 'message' AND o.slot = s.slot AND ` + messageDue + `)
+		dueSlots: r(dueSlotsSQL),
+		dueSlotsOrBalance: r(dueSlotsSQL + `
 			UNION ALL
 			SELECT -1 WHERE EXISTS (SELECT 1 FROM {schema}.txbox_lease WHERE shards = $2 AND expires_at <= now())
 				OR (SELECT count(*) FROM {schema}.txbox_relay_node WHERE expires_at > now()) <> $3`),
@@ -170,6 +166,13 @@ func renderQueries(schema string, slots int) queries {
 			WHERE c.outcome = 'rejected'`),
 	}
 }
+
+// dueSlotsSQL finds which of the slots $1 have a message readMessages would return: one look into
+// the index per slot, stopping at the first due row. dueSlotsOrBalance also answers -1 when the
+// leases call for a balance: a lease of the layout $2 is free (released by a relay that stopped or
+// gave up its extra shards), or the number of live relays is no longer $3.
+const dueSlotsSQL = `SELECT s.slot FROM unnest($1::smallint[]) AS s(slot)
+	WHERE EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS o WHERE o.kind = 'message' AND o.slot = s.slot AND ` + messageDue + `)`
 
 // messageDue says that message row o is to be published now. A message the broker refused waits
 // until its next attempt, and so does every later message of its partition key (messages without

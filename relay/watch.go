@@ -46,9 +46,9 @@ func (r *Relay) watch(ctx context.Context) {
 const fastLooks = 16
 
 // look wakes the parked workers whose slots have rows to publish, and reports whether there were
-// any. It also asks the relay for a balance when the leases call for one (see rebalanceSoon): the
-// same query tells, so that shards a stopping relay released are taken over at once, not at the
-// next renewal.
+// any. Every balanceProbeEvery it also asks, in the same query, whether the leases call for a
+// balance (a relay joined or left, a lease was released), and asks Run for one: shards a
+// stopping relay released are then taken over at once, not at the next renewal.
 func (r *Relay) look(ctx context.Context) bool {
 	r.mu.Lock()
 	parked := map[int]*lease{}
@@ -60,8 +60,15 @@ func (r *Relay) look(ctx context.Context) bool {
 		}
 	}
 	r.mu.Unlock()
+	query, args := r.sql.dueSlots, []any{slots}
+	if probe := time.Since(r.probedAt) >= balanceProbeEvery; probe {
+		query, args = r.sql.dueSlotsOrBalance, []any{slots, r.cfg.Shards, r.liveSeen.Load()}
+		r.probedAt = time.Now()
+	} else if len(parked) == 0 {
+		return false
+	}
 	var due []int16
-	err := r.read(ctx, r.sql.dueSlots, []any{slots, r.cfg.Shards, r.liveSeen.Load()}, func(rows pgx.Rows) (err error) {
+	err := r.read(ctx, query, args, func(rows pgx.Rows) (err error) {
 		due, err = pgx.CollectRows(rows, pgx.RowTo[int16])
 		return err
 	})
@@ -75,7 +82,10 @@ func (r *Relay) look(ctx context.Context) bool {
 	found := false
 	for _, s := range due {
 		if s < 0 {
-			r.rebalanceSoon()
+			select {
+			case r.rebalance <- struct{}{}:
+			default:
+			}
 			continue
 		}
 		parked[int(s)%r.cfg.Shards].wakeUp()
@@ -84,22 +94,10 @@ func (r *Relay) look(ctx context.Context) bool {
 	return found
 }
 
-// rebalanceSoon asks Run for a balance, at most once per rebalanceGap: a free lease that cannot be
-// taken right now (its row locked by a frozen relay) must not make every look run one.
-func (r *Relay) rebalanceSoon() {
-	if time.Since(time.Unix(0, r.balancedAt.Load())) < r.rebalanceGap() {
-		return
-	}
-	select {
-	case r.rebalance <- struct{}{}:
-	default:
-	}
-}
-
-// rebalanceGap is the shortest time between balances that looks ask for: a few a second at most.
-func (r *Relay) rebalanceGap() time.Duration {
-	return max(min(r.cfg.LeaseTTL/20, 250*time.Millisecond), r.cfg.PollInterval)
-}
+// balanceProbeEvery is how often the looks also ask whether the leases call for a balance: a few
+// times a second, so that a free lease that cannot be taken right now (its row locked by a frozen
+// relay) costs a balance no more often.
+const balanceProbeEvery = 250 * time.Millisecond
 
 // park waits until watch finds rows in the shard's slots, or the lease ends. A shard that has just
 // published tells watch to look often.
