@@ -381,13 +381,7 @@ func (b *bundle) runRelayIn(t *testing.T, ctx context.Context, owner string) *re
 		Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})),
 	})
 	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
+	runUntilCleanup(t, ctx, r)
 	require.Eventually(t, func() bool { return len(r.Shards()) == 1 }, 10*time.Second, 5*time.Millisecond, "%s took the shard", owner)
 	return r
 }

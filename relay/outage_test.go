@@ -116,13 +116,7 @@ func TestARelayThatCannotReachTheBrokerLeavesTheShardsToOthers(t *testing.T) {
 		Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})),
 	})
 	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- cut.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
+	runUntilCleanup(t, context.Background(), cut)
 	require.Eventually(t, func() bool {
 		err := cut.Ready()
 		return err != nil && strings.Contains(err.Error(), "waiting for the broker to answer")

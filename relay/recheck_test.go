@@ -45,6 +45,18 @@ func (d *flakyDB) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults 
 	return d.Pool.SendBatch(ctx, b)
 }
 
+// failNextAfter returns a context for the relay's Run in which, once arm is called, the next
+// transaction the relay begins after reaching failpoint point fails.
+func (d *flakyDB) failNextAfter(point string) (ctx context.Context, arm func()) {
+	var armed atomic.Bool
+	ctx = failpoint.WithHook(context.Background(), point, func() {
+		if armed.CompareAndSwap(true, false) {
+			d.failNext.Store(true)
+		}
+	})
+	return ctx, func() { armed.Store(true) }
+}
+
 func (d *flakyDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	if d.down.Load() {
 		return unreachableRow{}
@@ -65,14 +77,9 @@ func TestLeaseRecheckThatFailsKeepsTheShard(t *testing.T) {
 	b := setup(t)
 	c := b.collect(t)
 	db := &flakyDB{Pool: b.env.Pool}
-	var armed atomic.Bool
 	// After a batch is read and before it is published (and found fenced), the next transaction the
 	// relay starts is the lease check: make it fail.
-	ctx := failpoint.WithHook(context.Background(), "relay.after-read", func() {
-		if armed.CompareAndSwap(true, false) {
-			db.failNext.Store(true)
-		}
-	})
+	ctx, arm := db.failNextAfter("relay.after-read")
 	var logs proctest.Buffer
 	r, err := relay.New(relay.Config{
 		DB: db, Sink: b.kafkaSink(t, kafkatest.Brokers(t), true), Schema: b.env.Schema, Owner: "A",
@@ -108,7 +115,7 @@ func TestLeaseRecheckThatFailsKeepsTheShard(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, late.Close())
 
-	armed.Store(true)
+	arm()
 	second := b.write(t, true, "k", 1)
 	require.Eventually(t, func() bool { return c.has(second...) && b.pending(t) == 0 }, 20*time.Second, 10*time.Millisecond,
 		"the relay published the next row with a new producer")
@@ -126,28 +133,17 @@ func TestAFailedCompletionDoesNotPublishTheBatchAgain(t *testing.T) {
 	b := setup(t)
 	c := b.collect(t)
 	db := &flakyDB{Pool: b.env.Pool}
-	var armed atomic.Bool
-	ctx := failpoint.WithHook(context.Background(), "relay.after-publish", func() {
-		if armed.CompareAndSwap(true, false) {
-			db.failNext.Store(true)
-		}
-	})
+	ctx, arm := db.failNextAfter("relay.after-publish")
 	r, err := relay.New(relay.Config{
 		DB: db, Sink: b.kafkaSink(t, kafkatest.Brokers(t), true), Schema: b.env.Schema,
 		Shards: 1, LeaseTTL: 30 * time.Second, PollInterval: 10 * time.Millisecond,
 		Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelError + 1})),
 	})
 	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
+	runUntilCleanup(t, ctx, r)
 	require.Eventually(t, func() bool { return len(r.Shards()) == 1 }, 30*time.Second, 10*time.Millisecond)
 
-	armed.Store(true)
+	arm()
 	batch := b.write(t, true, "k", 20)
 	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
 	require.EqualValues(t, 1, db.failed.Load(), "the completion failed once")

@@ -32,6 +32,18 @@ func setup(t *testing.T) *bundle {
 	return &bundle{env: env, writer: w, topic: kafkatest.Topic(t)}
 }
 
+// runUntilCleanup runs r in ctx until the test ends, and requires that it then stops cleanly.
+func runUntilCleanup(t *testing.T, ctx context.Context, r *relay.Relay) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+}
+
 // startRelay runs an in-process relay until the test ends.
 func (b *bundle) startRelay(t *testing.T, mutate func(*relay.Config)) *relay.Relay {
 	t.Helper()
@@ -47,13 +59,7 @@ func (b *bundle) startRelay(t *testing.T, mutate func(*relay.Config)) *relay.Rel
 	}
 	r, err := relay.New(cfg)
 	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
+	runUntilCleanup(t, context.Background(), r)
 	return r
 }
 
