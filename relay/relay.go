@@ -139,10 +139,12 @@ type Relay struct {
 	rebalance chan struct{}
 	liveSeen  atomic.Int64
 	probedAt  time.Time
+	// prefix is the Kafka transactional IDs' prefix ("" without transactions), set by Run before
+	// anything else runs.
+	prefix string
 
 	mu      sync.Mutex
 	held    map[int]*lease
-	prefix  string         // the Kafka transactional IDs' prefix; "" without transactions
 	running bool           // from a successful start until the stop begins, for Ready
 	sinkErr error          // why the broker did not answer at start-up (awaitSink), for Ready
 	dbErr   error          // why the last round of leases failed; nil once the database answers
