@@ -5,11 +5,12 @@
 -- the identity with it: point such a copy at another Kafka cluster, or give its relays their own
 -- --transactional-id-prefix.
 
--- Each relay also records the prefix it publishes with, so that a relay started with another
--- prefix than the running relays of its outbox is refused.
+-- Each relay also records the prefix it publishes with and its shard count, so that a relay
+-- started with another prefix or shard count than the running relays of its outbox is refused,
+-- even before they hold a lease.
 
 -- +goose Up
-ALTER TABLE txbox_relay_node ADD COLUMN transactional_id_prefix text;
+ALTER TABLE txbox_relay_node ADD COLUMN transactional_id_prefix text, ADD COLUMN shards integer;
 
 CREATE TABLE txbox_identity (
     only_row  boolean PRIMARY KEY DEFAULT true CHECK (only_row),
@@ -19,4 +20,4 @@ INSERT INTO txbox_identity DEFAULT VALUES;
 
 -- +goose Down
 DROP TABLE txbox_identity;
-ALTER TABLE txbox_relay_node DROP COLUMN transactional_id_prefix;
+ALTER TABLE txbox_relay_node DROP COLUMN transactional_id_prefix, DROP COLUMN shards;

@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -154,5 +155,71 @@ func forward(ln net.Listener, target string) {
 			go func() { _, _ = io.Copy(out, in) }()
 			_, _ = io.Copy(in, out)
 		}()
+	}
+}
+
+// A relay that waited for its broker checks the lease layout once the broker answers, not before:
+// a relay of another shard count that started meanwhile makes it refuse to start, where it used to
+// register beside it and leave half the shards to no one.
+func TestARelayThatWaitedForItsBrokerChecksTheLayoutWhenItStarts(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: []string{addr}, TransactionalIDPrefix: b.env.Schema})
+	require.NoError(t, err)
+	waiting, err := relay.New(relay.Config{
+		DB: b.env.Pool, Sink: sink, Schema: b.env.Schema, Owner: "waiting", Shards: 8, LeaseTTL: 2 * time.Second,
+		Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})),
+	})
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	go func() { done <- waiting.Run(ctx) }()
+	require.Eventually(t, func() bool {
+		err := waiting.Ready()
+		return err != nil && strings.Contains(err.Error(), "waiting for the broker")
+	}, 30*time.Second, 10*time.Millisecond)
+
+	running := b.startRelay(t, func(c *relay.Config) { c.Owner = "running" }) // 4 shards
+	require.Eventually(t, func() bool { return len(running.Shards()) == 4 }, 30*time.Second, 10*time.Millisecond)
+	ln, err = net.Listen("tcp", addr)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	go forward(ln, kafkatest.Brokers(t)[0])
+	select {
+	case err := <-done:
+		require.ErrorContains(t, err, "Config.Shards is 8 but running relays hold leases of a 4-shard layout")
+	case <-time.After(30 * time.Second):
+		t.Fatal("the relay started beside a relay of another layout")
+	}
+	require.Never(t, func() bool { return len(running.Shards()) < 4 }, time.Second, 10*time.Millisecond)
+}
+
+// Two relays of different shard counts starting at the same moment: one refuses, whichever checked
+// second, because each registers in the transaction that checks, under the layout lock.
+func TestRelaysOfTwoLayoutsStartingAtOnceDoNotBothRun(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	results := make(chan error, 2)
+	for _, shards := range []int{4, 8} {
+		r, err := relay.New(relay.Config{
+			DB: b.env.Pool, Sink: b.kafkaSink(t, kafkatest.Brokers(t), true), Schema: b.env.Schema,
+			Owner: fmt.Sprint("layout-", shards), Shards: shards, LeaseTTL: 2 * time.Second,
+			Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		})
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		t.Cleanup(cancel)
+		go func() { results <- r.Run(ctx) }()
+	}
+	select {
+	case err := <-results:
+		require.ErrorContains(t, err, "running relays hold leases of a")
+	case <-time.After(30 * time.Second):
+		t.Fatal("relays of two layouts both run")
 	}
 }

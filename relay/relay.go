@@ -250,6 +250,11 @@ func (r *Relay) Shards() map[int]int64 {
 // while it starts is a stop, not a failure: Run returns nil, having held nothing.
 func (r *Relay) Run(ctx context.Context) error {
 	failpoint.HitContext(ctx, "relay.before-start")
+	// The broker first: a relay registers (in prepareLeases) only once it can publish.
+	if err := r.awaitSink(ctx); err != nil {
+		r.log.Info("relay stopped before it started", "error", err)
+		return nil
+	}
 	if err := r.prepareLeases(ctx); err != nil {
 		if ctx.Err() != nil && (errors.Is(err, ctx.Err()) || timedOut(err)) {
 			r.log.Info("relay stopped before it started", "error", err)
@@ -260,10 +265,6 @@ func (r *Relay) Run(ctx context.Context) error {
 	started := []any{"shards", r.cfg.Shards, "lease_ttl", r.cfg.LeaseTTL}
 	if r.prefix != "" {
 		started = append(started, "transactional_id_prefix", r.prefix)
-	}
-	if err := r.awaitSink(ctx); err != nil {
-		r.log.Info("relay stopped before it started", "error", err)
-		return nil
 	}
 	r.log.Info("relay started", started...)
 	r.setRunning(true)
@@ -325,14 +326,17 @@ func (r *Relay) checkPrefix(ctx context.Context, tx pgx.Tx) error {
 
 // awaitSink returns once the sink's broker answers (see Checker), or with ctx's error when ctx
 // ends first. Until then the relay holds no lease and has not registered, so the running relays
-// keep every shard.
+// keep every shard. A broker that takes connections and answers nothing is given one LeaseTTL
+// a try.
 func (r *Relay) awaitSink(ctx context.Context) error {
 	c, ok := r.cfg.Sink.(Checker)
 	if !ok {
 		return nil
 	}
 	for attempt := 1; ; attempt++ {
-		err := c.Check(ctx)
+		checking, cancel := context.WithTimeoutCause(ctx, r.cfg.LeaseTTL, fmt.Errorf("the broker has not answered for %v", r.cfg.LeaseTTL))
+		err := c.Check(checking)
+		cancel()
 		r.mu.Lock()
 		r.sinkErr = err
 		r.mu.Unlock()
@@ -371,7 +375,7 @@ func (r *Relay) prepareLeases(ctx context.Context) error {
 				return fmt.Errorf("relay: lock lease layout: %w", err)
 			}
 			var other int
-			err := tx.QueryRow(ctx, r.sql.liveOtherLayout, r.cfg.Shards).Scan(&other)
+			err := tx.QueryRow(ctx, r.sql.liveOtherLayout, r.cfg.Shards, r.cfg.Owner).Scan(&other)
 			if err == nil {
 				return fmt.Errorf("relay: Config.Shards is %d but running relays hold leases of a %d-shard layout; stop them (or wait one lease TTL) before changing it, or use %d", r.cfg.Shards, other, other)
 			}
@@ -384,7 +388,13 @@ func (r *Relay) prepareLeases(ctx context.Context) error {
 			if _, err := tx.Exec(ctx, r.sql.createLeases, r.cfg.Shards); err != nil {
 				return fmt.Errorf("relay: create leases: %w", err)
 			}
-			return r.checkPrefix(ctx, tx)
+			if err := r.checkPrefix(ctx, tx); err != nil {
+				return err
+			}
+			// Registered under the layout lock, in the transaction that checked: a relay starting
+			// at the same moment with another layout or prefix sees this one, and is refused.
+			_, err = tx.Exec(ctx, r.sql.heartbeat, r.cfg.Owner, r.cfg.LeaseTTL.Milliseconds(), r.prefix, r.cfg.Shards)
+			return err
 		})
 		if !timedOut(err) || ctx.Err() != nil {
 			return err
@@ -515,8 +525,12 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 	if ctx.Err() != nil {
 		return next
 	}
+	// A round that has not ended after one TTL has lost its leases anyway, and a database path
+	// that hangs (rather than refuses) would otherwise hold the loop, unlogged and unseen by Ready.
+	round, cancel := context.WithTimeoutCause(ctx, r.cfg.LeaseTTL, fmt.Errorf("the database has not answered for %v", r.cfg.LeaseTTL))
+	defer cancel()
 	ttl := r.cfg.LeaseTTL.Milliseconds()
-	if err := r.renew(ctx, ttl); err != nil {
+	if err := r.renew(round, ttl); err != nil {
 		r.logDB("renew leases", err)
 		return next
 	}
@@ -524,17 +538,17 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 	// a relay counted alive here is the expiry to wake up for.
 	var live int
 	var wake *int64
-	err := r.bounded(ctx, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, r.sql.heartbeat, r.cfg.Owner, ttl, r.prefix); err != nil {
+	err := r.bounded(round, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(round, r.sql.heartbeat, r.cfg.Owner, ttl, r.prefix, r.cfg.Shards); err != nil {
 			return err
 		}
-		if _, err := tx.Exec(ctx, r.sql.pruneNodes); err != nil {
+		if _, err := tx.Exec(round, r.sql.pruneNodes); err != nil {
 			return err
 		}
-		if err := tx.QueryRow(ctx, r.sql.liveNodes).Scan(&live); err != nil {
+		if err := tx.QueryRow(round, r.sql.liveNodes).Scan(&live); err != nil {
 			return err
 		}
-		return tx.QueryRow(ctx, r.sql.nextExpiry, r.cfg.Owner, r.cfg.Shards).Scan(&wake)
+		return tx.QueryRow(round, r.sql.nextExpiry, r.cfg.Owner, r.cfg.Shards).Scan(&wake)
 	})
 	if err != nil {
 		r.logDB("heartbeat", err)
@@ -553,8 +567,8 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 	switch {
 	case n < fair:
 		var got []*lease
-		err := r.bounded(ctx, func(tx pgx.Tx) error {
-			rows, err := tx.Query(ctx, r.sql.acquire, r.cfg.Owner, ttl, r.cfg.Shards, fair-n)
+		err := r.bounded(round, func(tx pgx.Tx) error {
+			rows, err := tx.Query(round, r.sql.acquire, r.cfg.Owner, ttl, r.cfg.Shards, fair-n)
 			if err != nil {
 				return err
 			}

@@ -43,8 +43,12 @@ func renderQueries(schema string, slots int) queries {
 		// Relays starting at once take turns checking the layout. Not a table lock: one queues
 		// behind any row lock (a relay frozen in a fenced transaction holds one) and every renewal
 		// then queues behind it.
-		layoutLock:      r(`SELECT pg_advisory_xact_lock(hashtextextended('{schema}.txbox_lease', 0))`),
-		liveOtherLayout: r(`SELECT shards FROM {schema}.txbox_lease WHERE shards <> $1 AND owner IS NOT NULL AND expires_at > now() LIMIT 1`),
+		layoutLock: r(`SELECT pg_advisory_xact_lock(hashtextextended('{schema}.txbox_lease', 0))`),
+		// A live lease, or a live relay registered, of another layout than $1 (relays other than $2).
+		liveOtherLayout: r(`SELECT shards FROM {schema}.txbox_lease WHERE shards <> $1 AND owner IS NOT NULL AND expires_at > now()
+			UNION ALL
+			SELECT shards FROM {schema}.txbox_relay_node WHERE shards <> $1 AND owner <> $2 AND expires_at > now()
+			LIMIT 1`),
 		// Only dead leases: a relay of the other layout may have taken one since the check.
 		dropOtherLayout: r(`DELETE FROM {schema}.txbox_lease WHERE shards <> $1 AND (owner IS NULL OR expires_at <= now())`),
 		// Inserts only missing rows, so it never meets (or waits for) a row another relay holds.
@@ -54,9 +58,10 @@ func renderQueries(schema string, slots int) queries {
 			ON CONFLICT (shard) DO NOTHING`),
 
 		identity: r(`SELECT outbox_id FROM {schema}.txbox_identity`),
-		heartbeat: r(`INSERT INTO {schema}.txbox_relay_node (owner, expires_at, transactional_id_prefix)
-			VALUES ($1, now() + $2 * interval '1 millisecond', nullif($3, ''))
-			ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at, transactional_id_prefix = excluded.transactional_id_prefix`),
+		heartbeat: r(`INSERT INTO {schema}.txbox_relay_node (owner, expires_at, transactional_id_prefix, shards)
+			VALUES ($1, now() + $2 * interval '1 millisecond', nullif($3, ''), $4)
+			ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at,
+				transactional_id_prefix = excluded.transactional_id_prefix, shards = excluded.shards`),
 		// A live relay of the outbox that publishes with another transactional-ID prefix than $2.
 		liveOtherPrefix: r(`SELECT owner, transactional_id_prefix FROM {schema}.txbox_relay_node
 			WHERE expires_at > now() AND owner <> $1 AND transactional_id_prefix <> $2 LIMIT 1`),

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -106,4 +107,18 @@ func connectAdmin[T any](ctx context.Context, a *app, d *database, newAdmin func
 		return nil, admin, err
 	}
 	return pool, admin, nil
+}
+
+// closeWithin closes pool, giving up after d with a warning.
+func (a *app) closeWithin(pool *pgxpool.Pool, d time.Duration) {
+	closed := make(chan struct{})
+	go func() {
+		pool.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+	case <-time.After(d):
+		a.log.Warn("gave up closing the database connections", "after", d)
+	}
 }

@@ -114,7 +114,9 @@ func (a *app) relayCommand() *cobra.Command {
 		if err != nil {
 			return err
 		}
-		defer pool.Close()
+		// A connection stuck on a database path that hangs (rather than refuses) would keep the
+		// process from exiting after a graceful stop: give up on it after one TTL.
+		defer a.closeWithin(pool, s.leaseTTL)
 		cfg.DB = pool
 		r, err := relay.New(cfg)
 		if err != nil {
