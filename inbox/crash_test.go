@@ -119,6 +119,7 @@ func testACrashIsChargedToTheMessageThatCausedIt(t *testing.T, afterDuplicate bo
 			case <-p.dead:
 			case <-poisonWaits: // It cannot run before this one ends.
 			case <-poisonDone:
+			case <-innocentWaits: // This one runs alone: the poison cannot be in flight beside it.
 			}
 			if !p.alive() {
 				panic(errCrash)
