@@ -87,16 +87,12 @@ func TestLeaseRecheckThatFailsKeepsTheShard(t *testing.T) {
 		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
 	})
 	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
 	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
 		if t.Failed() {
 			t.Logf("relay log:\n%s", logs.String())
 		}
 	})
+	runUntilCleanup(t, ctx, r)
 
 	first := b.write(t, true, "k", 1)
 	require.Eventually(t, func() bool { return c.has(first...) && b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
