@@ -48,13 +48,21 @@ type lease struct {
 	// ahead is the next batch, read by the last completion when readAhead is set.
 	ahead     []pendingRow
 	readAhead bool
-	// uncompleted holds the ids of rows the broker has but whose completion failed, for the next
-	// cycle to complete before it reads.
-	uncompleted []int64
+	// uncompleted holds the rows the broker has but whose completion failed, for the next cycle to
+	// complete before it reads.
+	uncompleted completion
+}
+
+// completion names the rows of a batch the broker has, for their completion: tids[i] is where row
+// ids[i] was read (see completeMessages).
+type completion struct {
+	tids []pgtype.TID
+	ids  []int64
 }
 
 // pendingRow is one outbox row read for publishing.
 type pendingRow struct {
+	tid          pgtype.TID // where the row was read, to delete it without an index look-up
 	id           int64
 	topic        string
 	partitionKey string
@@ -70,7 +78,7 @@ type pendingRow struct {
 // scanPending reads a row of the readMessages query.
 func scanPending(row pgx.CollectableRow) (pendingRow, error) {
 	var p pendingRow
-	err := row.Scan(&p.id, &p.topic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata, &p.attempts, &p.over)
+	err := row.Scan(&p.tid, &p.id, &p.topic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata, &p.attempts, &p.over)
 	return p, err
 }
 
@@ -214,14 +222,14 @@ func checkOnly(pgx.Tx) error { return nil }
 // a refused message), so that the next cycle should run at once.
 func (l *lease) cycle(pub ShardPublisher) (published int, more bool, err error) {
 	r := l.relay
-	if len(l.uncompleted) > 0 {
+	if n := len(l.uncompleted.ids); n > 0 {
 		// The broker has these rows, but the completion that deletes them failed (a connection
 		// lost): delete them first, or the read below would publish them again.
 		if err := l.complete(l.uncompleted, false); err != nil {
 			return 0, false, err
 		}
-		r.metrics.Published.Add(float64(len(l.uncompleted)))
-		l.uncompleted = nil
+		r.metrics.Published.Add(float64(n))
+		l.uncompleted = completion{}
 	}
 	batch, err := l.next()
 	if err != nil {
@@ -237,10 +245,10 @@ func (l *lease) cycle(pub ShardPublisher) (published int, more bool, err error) 
 	}
 
 	msgs := make([]Message, len(batch))
-	ids := make([]int64, len(batch))
+	done := completion{tids: make([]pgtype.TID, len(batch)), ids: make([]int64, len(batch))}
 	for i, p := range batch {
 		msgs[i] = l.toMessage(p)
-		ids[i] = p.id
+		done.tids[i], done.ids[i] = p.tid, p.id
 	}
 	spans := l.startPublishSpans(msgs)
 	err = l.awaitBroker(func() error { return pub.Publish(l.ctx, msgs) })
@@ -269,8 +277,8 @@ func (l *lease) cycle(pub ShardPublisher) (published int, more bool, err error) 
 	}
 	failpoint.HitContext(l.ctx, "relay.after-publish")
 
-	if err := l.complete(ids, more); err != nil {
-		l.uncompleted = ids
+	if err := l.complete(done, more); err != nil {
+		l.uncompleted = done
 		return 0, false, err
 	}
 	failpoint.HitContext(l.ctx, "relay.after-complete")
@@ -300,16 +308,16 @@ func (l *lease) next() ([]pendingRow, error) {
 	return batch, nil
 }
 
-// complete deletes the published rows ids in a fenced transaction, in one round trip with the lease
+// complete deletes the published rows in a fenced transaction, in one round trip with the lease
 // check. With readAhead (more rows were due than the batch held) the same round trip
 // reads the next batch, which the next cycle publishes without a read of its own: the read runs
 // after the delete, in its transaction, so it never returns a row just completed, and like every
 // read it returns what is committed when it runs, late commits included.
-func (l *lease) complete(ids []int64, readAhead bool) error {
+func (l *lease) complete(done completion, readAhead bool) error {
 	r := l.relay
 	var ahead []pendingRow
 	err := l.fencedWith(l.ctx, func(b *pgx.Batch) {
-		b.Queue(r.sql.completeMessages, ids, l.shard, l.token)
+		b.Queue(r.sql.completeMessages, done.tids, done.ids, l.shard, l.token)
 		if readAhead {
 			b.Queue(r.sql.readMessages, l.slots, l.window, r.cfg.BatchBytes).Query(func(rows pgx.Rows) error {
 				var err error

@@ -3,11 +3,13 @@ package relay
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/txbox/txbox/internal/sqlname"
 	"github.com/txbox/txbox/internal/txtest"
@@ -95,7 +97,7 @@ func explain(t *testing.T, env *txtest.Env, mode, sql string, args []any) planNo
 }
 
 // params is the argument list of EXECUTE for args, as literals (EXECUTE takes no parameters of its
-// own): id and slot lists, integers.
+// own): id, slot and ctid lists, integers.
 func params(t *testing.T, args []any) string {
 	if len(args) == 0 {
 		return ""
@@ -115,6 +117,12 @@ func params(t *testing.T, args []any) string {
 				ids[j] = strconv.FormatInt(id, 10)
 			}
 			list[i] = "'{" + strings.Join(ids, ",") + "}'"
+		case []pgtype.TID:
+			tids := make([]string, len(a))
+			for j, tid := range a {
+				tids[j] = fmt.Sprintf(`"(%d,%d)"`, tid.BlockNumber, tid.OffsetNumber)
+			}
+			list[i] = "'{" + strings.Join(tids, ",") + "}'"
 		case int:
 			list[i] = strconv.Itoa(a)
 		default:
@@ -153,13 +161,19 @@ func TestReadsAreBoundedByTheBatch(t *testing.T) {
 	env, q := backlogEnv(t)
 	slots := outbox.Slots / scanShards
 	const batch = 100
-	var firstIDs []int64 // the first batch of busyShard's messages, as a completion deletes them
-	rows, err := env.Pool.Query(context.Background(), "SELECT id FROM "+env.Q("txbox_outbox")+
+	// The first batch of busyShard's messages, as a completion deletes them.
+	rows, err := env.Pool.Query(context.Background(), "SELECT ctid, id FROM "+env.Q("txbox_outbox")+
 		" WHERE kind = 'message' AND slot % $1 = $2 ORDER BY id LIMIT $3", scanShards, busyShard, batch)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if firstIDs, err = pgx.CollectRows(rows, pgx.RowTo[int64]); err != nil {
+	var first completion
+	var tid pgtype.TID
+	var id int64
+	if _, err := pgx.ForEachRow(rows, []any{&tid, &id}, func() error {
+		first.tids, first.ids = append(first.tids, tid), append(first.ids, id)
+		return nil
+	}); err != nil {
 		t.Fatal(err)
 	}
 	const token = 7 // Both shards' leases, held under it.
@@ -180,7 +194,7 @@ func TestReadsAreBoundedByTheBatch(t *testing.T) {
 		}},
 		{"look for due messages", q.dueSlots, 0, func(shard int) []any { return []any{slotsOf(shard, scanShards)} }},
 		{"look for due messages and balance", q.dueSlotsOrBalance, 0, func(shard int) []any { return []any{slotsOf(shard, scanShards), scanShards, 1} }},
-		{"complete messages", q.completeMessages, batch, func(shard int) []any { return []any{firstIDs, shard, token} }},
+		{"complete messages", q.completeMessages, batch, func(shard int) []any { return []any{first.tids, first.ids, shard, token} }},
 	} {
 		for _, shard := range []int{idleShard, busyShard} {
 			rows, buffers := touched(t, env, tc.sql, tc.args(shard)...)

@@ -97,11 +97,11 @@ func renderQueries(schema string, slots int) queries {
 		// left out ends it, flagged "over" and without its payload and metadata, so the relay
 		// knows more rows are due. The cut is made on the rows read, so the read stays at $2
 		// rows, and the running sum streams: nothing is held back to count.
-		readMessages: r(`SELECT id, topic, partition_key, uuid, CASE WHEN over THEN ''::bytea ELSE payload END,
+		readMessages: r(`SELECT tid, id, topic, partition_key, uuid, CASE WHEN over THEN ''::bytea ELSE payload END,
 				CASE WHEN over THEN '' ELSE metadata END, attempts, over
 			FROM (SELECT b.*, b.n > 1 AND b.bytes > $3 AS over
 				FROM (SELECT m.*, row_number() OVER w AS n, sum(m.size) OVER w AS bytes
-					FROM (` + bySlot(`SELECT o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text AS metadata, o.attempts,
+					FROM (` + bySlot(`SELECT o.ctid AS tid, o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text AS metadata, o.attempts,
 							octet_length(o.payload) + octet_length(o.metadata::text) AS size
 						FROM {schema}.txbox_outbox AS o
 						WHERE o.kind = 'message' AND o.slot = {slot} AND `+messageDue, slots) + `) AS m
@@ -122,11 +122,19 @@ func renderQueries(schema string, slots int) queries {
 		deleteRows: r(`DELETE FROM {schema}.txbox_outbox WHERE id = ANY($1)`),
 		// Deletes a row on its way to the dead-letter table, saying when it first failed.
 		buryRow: r(`DELETE FROM {schema}.txbox_outbox WHERE id = $1 RETURNING first_attempt_at`),
-		// deleteRows for the round trip that checks the lease (shard $2, token $3), which sends it
-		// before the check's answer is in: it runs whether the check passed or not, so it carries
-		// the check too. Once the check locked the lease row the token cannot change under it.
-		completeMessages: r(`DELETE FROM {schema}.txbox_outbox WHERE id = ANY($1)
-			AND EXISTS (SELECT 1 FROM {schema}.txbox_lease WHERE shard = $2 AND token = $3)`),
+		// Deletes the published rows: each where it was read, ctid $1[i], if it is still the row
+		// read, id $2[i]. Found by its ctid, a row costs a heap fetch rather than a descent of the
+		// primary key (half the buffers of a batch's delete); the id keeps a row that took the
+		// place of one deleted meanwhile (by an operator's bury, then a vacuum) from being deleted
+		// unpublished. A row updated meanwhile has moved and is not found: it stays pending and is
+		// published again, a copy the inbox drops; the relay updates only rows it did not publish
+		// (refuseMessage), so that takes an outside update or a rewrite of the table (VACUUM FULL).
+		// Sent in the round trip that checks the lease (shard $3, token $4) before the check's
+		// answer is in, it runs whether the check passed or not, so it carries the check too. Once
+		// the check locked the lease row the token cannot change under it.
+		completeMessages: r(`DELETE FROM {schema}.txbox_outbox AS o USING unnest($1::tid[], $2::bigint[]) AS d(tid, id)
+			WHERE o.ctid = d.tid AND o.id = d.id
+			  AND EXISTS (SELECT 1 FROM {schema}.txbox_lease WHERE shard = $3 AND token = $4)`),
 		stats: r(`SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM {schema}.txbox_outbox`),
 
 		// Due calls of the lease's slots. A call waits while an earlier call with its partition key
@@ -176,16 +184,22 @@ func renderQueries(schema string, slots int) queries {
 // the index per slot, stopping at the first due row. dueSlotsOrBalance also answers -1 when the
 // leases call for a balance: a lease of the layout $2 is free (released by a relay that stopped or
 // gave up its extra shards), or the number of live relays is no longer $3.
-const dueSlotsSQL = `SELECT s.slot FROM unnest($1::smallint[]) AS s(slot)
-	WHERE EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS o WHERE o.kind = 'message' AND o.slot = s.slot AND ` + messageDue + `)`
+var dueSlotsSQL = `SELECT s.slot FROM unnest($1::smallint[]) AS s(slot)
+	WHERE EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS o WHERE o.kind = 'message' AND o.slot = s.slot AND ` +
+	strings.ReplaceAll(messageDue, "{slot}", "s.slot") + `)`
 
-// messageDue says that message row o is to be published now. A message the broker refused waits
-// until its next attempt, and so does every later message of its partition key (messages without
-// a key have no order to keep).
+// messageDue says that message row o of slot {slot} is to be published now. A message the broker
+// refused waits until its next attempt, and so does every later message of its partition key
+// (messages without a key have no order to keep). Which keys of the slot wait is asked once per
+// slot, not per row (an InitPlan where {slot} is a parameter): only a row of such a key looks for
+// the earlier message it waits for.
 const messageDue = `o.next_attempt_at <= now()
-	AND (o.partition_key = '' OR NOT EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS h
-		WHERE h.kind = 'message' AND h.attempts > 0 AND h.slot = o.slot AND h.partition_key = o.partition_key
-		  AND h.id < o.id AND h.next_attempt_at > now()))`
+	AND (o.partition_key = ''
+		OR o.partition_key <> ALL (coalesce((SELECT array_agg(h.partition_key) FROM {schema}.txbox_outbox AS h
+			WHERE h.kind = 'message' AND h.attempts > 0 AND h.slot = {slot} AND h.next_attempt_at > now()), '{}'))
+		OR NOT EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS h
+			WHERE h.kind = 'message' AND h.attempts > 0 AND h.slot = o.slot AND h.partition_key = o.partition_key
+			  AND h.id < o.id AND h.next_attempt_at > now()))`
 
 // bySlot turns read, a read of the one slot {slot} (its rows aliased o), into a read of the slots
 // $1, which has slots elements, in id order and at most $2 rows: one range of the (kind, slot, id)
