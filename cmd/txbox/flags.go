@@ -206,8 +206,11 @@ const maxAge = age.Max
 func durationIn(p *time.Duration, lo, hi time.Duration) *value[time.Duration] {
 	return &value[time.Duration]{p: p, typ: "duration", show: showDuration, parse: func(s string) (time.Duration, error) {
 		d, err := parseAge(s)
-		if err != nil || d < lo || d > hi {
-			return 0, fmt.Errorf("must be a duration from %s to %s (such as 90s, 15m, 36h, 7d), got %q", formatDuration(lo), formatDuration(hi), s)
+		switch {
+		case err != nil:
+			return 0, fmt.Errorf("must be a duration from %s to %s, written like 90s, 15m, 36h or 7d, got %q", formatDuration(lo), formatDuration(hi), s)
+		case d < lo || d > hi:
+			return 0, fmt.Errorf("must be a duration from %s to %s, got %q", formatDuration(lo), formatDuration(hi), s)
 		}
 		return d, nil
 	}}
