@@ -67,7 +67,7 @@ func TestTheRelayPlansItsStatementsOnce(t *testing.T) {
 type boundsTracer struct {
 	mu      sync.Mutex
 	inTx    []string // statement timeouts of batches that begin a transaction
-	outside []string // statement timeouts of batches that run outside one
+	outside []string // statement timeouts of reads (batches that begin a read-only transaction)
 }
 
 func (*boundsTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
@@ -84,7 +84,7 @@ func (t *boundsTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.T
 			continue
 		}
 		t.mu.Lock()
-		if strings.HasPrefix(strings.ToLower(queued[0].SQL), "begin") {
+		if beginsTransaction(d.Batch) {
 			t.inTx = append(t.inTx, q.Arguments[1].(string))
 		} else {
 			t.outside = append(t.outside, q.Arguments[1].(string))
@@ -94,7 +94,7 @@ func (t *boundsTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.T
 	return ctx
 }
 
-// A read outside a transaction holds no lock anyone waits for, and its first run on a connection
+// A read (a read-only transaction of its own) holds no lock anyone waits for, and its first run on a connection
 // includes planning it: ~300 ms for the 256 slots of a single shard on an idle server, more on a
 // busy one, which is the shortest lease TTL allowed. Were reads bounded by the TTL, as statements
 // in the relay's transactions are, a read cut short would be planned again at its next attempt and
@@ -119,7 +119,7 @@ func TestReadsAreNotCutShortByAShortLeaseTTL(t *testing.T) {
 
 	tracer.mu.Lock()
 	defer tracer.mu.Unlock()
-	require.NotEmpty(t, tracer.outside, "the relay read outside a transaction")
+	require.NotEmpty(t, tracer.outside, "the relay read in read-only transactions")
 	require.NotEmpty(t, tracer.inTx, "the relay ran transactions")
 	for _, ms := range tracer.outside {
 		require.Equal(t, "10000", ms, "a read's statement timeout")

@@ -98,3 +98,43 @@ func TestTwoOutboxesOnOneClusterDoNotFenceEachOther(t *testing.T) {
 		t.Fatal("a relay ran with another prefix than the running relay of its outbox")
 	}
 }
+
+// A relay of a version before migration 00012 records no transactional-ID prefix: one started
+// beside it with the outbox's default prefix would not fence its frozen transactions, and is
+// refused; one given a prefix (the older version's, as the README's upgrade note says) starts.
+func TestARelayBesideARelayOfAnOlderVersionNeedsItsPrefix(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, err := b.env.Pool.Exec(context.Background(), "INSERT INTO "+b.env.Q("txbox_relay_node")+
+		" (owner, expires_at) VALUES ('old-relay', now() + interval '1 hour')")
+	require.NoError(t, err)
+	start := func(prefix string) (*relay.Relay, <-chan error) {
+		sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: kafkatest.Brokers(t), TransactionalIDPrefix: prefix})
+		require.NoError(t, err)
+		r, err := relay.New(relay.Config{
+			DB: b.env.Pool, Sink: sink, Schema: b.env.Schema, Shards: 4, LeaseTTL: 2 * time.Second,
+			Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		})
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		done, stopped := make(chan error, 1), make(chan struct{})
+		go func() {
+			done <- r.Run(ctx)
+			close(stopped)
+		}()
+		t.Cleanup(func() {
+			cancel()
+			<-stopped
+		})
+		return r, done
+	}
+	_, done := start("")
+	select {
+	case err := <-done:
+		require.ErrorContains(t, err, `running relay "old-relay" is of a version before migration 00012`)
+	case <-time.After(30 * time.Second):
+		t.Fatal("a relay with the outbox's default prefix ran beside a relay of an older version")
+	}
+	r, _ := start("txbox")
+	require.Eventually(t, func() bool { return len(r.Shards()) > 0 }, 30*time.Second, 10*time.Millisecond)
+}

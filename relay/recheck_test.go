@@ -38,7 +38,7 @@ func (d *flakyDB) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults 
 	if d.down.Load() {
 		return pgx.FailedBatchResults(b, errUnreachable)
 	}
-	if len(b.QueuedQueries) > 0 && strings.EqualFold(b.QueuedQueries[0].SQL, "begin") && d.failNext.CompareAndSwap(true, false) {
+	if beginsTransaction(b) && d.failNext.CompareAndSwap(true, false) {
 		d.failed.Add(1)
 		return pgx.FailedBatchResults(b, errors.New("injected fault: connection reset by peer"))
 	}
@@ -57,16 +57,15 @@ func (d *flakyDB) failNextAfter(point string) (ctx context.Context, arm func()) 
 	return ctx, func() { armed.Store(true) }
 }
 
-func (d *flakyDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if d.down.Load() {
-		return unreachableRow{}
+// beginsTransaction says whether b begins one of the relay's transactions (which may change rows),
+// rather than one of its reads, which begin a read-only transaction of their own.
+func beginsTransaction(b *pgx.Batch) bool {
+	if len(b.QueuedQueries) == 0 {
+		return false
 	}
-	return d.Pool.QueryRow(ctx, sql, args...)
+	first := strings.ToLower(b.QueuedQueries[0].SQL)
+	return strings.HasPrefix(first, "begin") && !strings.HasSuffix(first, "read only")
 }
-
-type unreachableRow struct{}
-
-func (unreachableRow) Scan(...any) error { return errUnreachable }
 
 // When Kafka says the shard's producer was fenced, the relay asks the database whether its lease
 // is still its own. A lease taken over means drop the shard; a database that cannot answer right

@@ -28,10 +28,9 @@ import (
 
 // DB is what the relay needs from PostgreSQL; *pgxpool.Pool satisfies it. Every transaction and
 // read goes through SendBatch: a transaction begins in the batch of its first statements (pgx's
-// Batch.BeginTx).
+// Batch.BeginTx), and a read is a batch that begins and commits a transaction of its own.
 type DB interface {
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
 // Config configures a Relay. Zero values mean the documented defaults.
@@ -311,8 +310,16 @@ func (r *Relay) checkPrefix(ctx context.Context, tx pgx.Tx) error {
 		return err
 	}
 	var owner, other string
-	err = tx.QueryRow(ctx, r.sql.liveOtherPrefix, r.cfg.Owner, prefix).Scan(&owner, &other)
+	configured := k.cfg.TransactionalIDPrefix != ""
+	err = tx.QueryRow(ctx, r.sql.liveOtherPrefix, r.cfg.Owner, prefix, configured).Scan(&owner, &other)
 	switch {
+	case err == nil && other == "":
+		// Such a relay's prefix is "txbox" unless it was configured; a configured prefix is taken
+		// to be its, as an upgrade that keeps the old one sets it (README, "Transactional IDs").
+		return fmt.Errorf("relay: running relay %q is of a version before migration 00012 and records no transactional-ID prefix, "+
+			"so this relay's producers (prefix %q, the outbox's default) might not fence its frozen transactions: stop the relays "+
+			"of the older version first, or give this relay the prefix they publish with (KafkaConfig.TransactionalIDPrefix, "+
+			"--transactional-id-prefix; that version's default is \"txbox\")", owner, prefix)
 	case err == nil:
 		return fmt.Errorf("relay: KafkaConfig.TransactionalIDPrefix is %q but running relay %q publishes with %q; "+
 			"the relays of one outbox must share it, or a frozen relay's open Kafka transaction is not fenced: use %q, or stop them first",
@@ -425,7 +432,7 @@ func (r *Relay) bounded(ctx context.Context, fn func(pgx.Tx) error) error {
 // (genericPlans).
 func (r *Relay) boundedWith(ctx context.Context, first func(*pgx.Batch), fn func(pgx.Tx) error) error {
 	b := &pgx.Batch{}
-	b.BeginTx(pgx.TxOptions{})
+	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	r.queueBounds(b, r.cfg.LeaseTTL)
 	if first != nil {
 		first(b)
@@ -449,17 +456,54 @@ func (r *Relay) boundedWith(ctx context.Context, first func(*pgx.Batch), fn func
 	return tx.Commit(ctx)
 }
 
-// read runs query, a read, outside a transaction, bounded as bounded's statements are but for its
-// statement timeout (at least minReadTimeout), and with generic plans, in one round trip: the
-// batch is its own implicit transaction, which the bounds last for.
+// read runs query, a read, in a transaction of its own, bounded as bounded's statements are but for
+// its statement timeout (at least minReadTimeout), and with generic plans, in one round trip: the
+// begin, the bounds, the read and the commit go in one batch. A read that fails leaves its
+// connection in the failed transaction, which *pgxpool.Pool then closes rather than reuse.
 func (r *Relay) read(ctx context.Context, query string, args []any, scan func(pgx.Rows) error) error {
+	return r.readWith(ctx, func(b *pgx.Batch) { b.Queue(query, args...).Query(scan) })
+}
+
+// readWith is read with the statements queue queues.
+func (r *Relay) readWith(ctx context.Context, queue func(*pgx.Batch)) error {
 	b := &pgx.Batch{}
+	b.Queue(beginReadCommitted)
 	r.queueBounds(b, max(r.cfg.LeaseTTL, minReadTimeout))
-	b.Queue(query, args...).Query(scan)
+	queue(b)
+	b.Queue("commit")
 	return r.cfg.DB.SendBatch(ctx, b).Close()
 }
 
-// minReadTimeout is the least statement timeout of a read outside a transaction. Such a read holds
+// reads is a dlq.Querier whose every QueryRow is a read of its own (Relay.read).
+type reads struct{ r *Relay }
+
+func (q reads) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return readRow{reads: q, ctx: ctx, sql: sql, args: args}
+}
+
+// readRow runs its read when it is scanned.
+type readRow struct {
+	reads
+	ctx  context.Context
+	sql  string
+	args []any
+}
+
+func (row readRow) Scan(dest ...any) error {
+	return row.r.readWith(row.ctx, func(b *pgx.Batch) {
+		b.Queue(row.sql, row.args...).QueryRow(func(r pgx.Row) error { return r.Scan(dest...) })
+	})
+}
+
+// beginReadCommitted begins every read of the relay (its transactions begin read committed too,
+// through pgx.TxOptions), whatever the database's default_transaction_isolation: with repeatable read or serializable, lease rows that another
+// relay updated fail the relay's transactions ("could not serialize access"), relays starting
+// together fail to start, and the relay's reads of pending rows make the application's
+// serializable transactions that write to the outbox fail to serialize. Its fence is the lease
+// row lock, not the isolation level (TestARelayOnASerializableDatabaseLeavesItsWritersAlone).
+const beginReadCommitted = "begin isolation level read committed read only"
+
+// minReadTimeout is the least statement timeout of a read (Relay.read). Such a read holds
 // no lock anyone waits for, so a slow one delays only its own shard; but its first run on a
 // connection includes planning it, which for a shard of many slots takes hundreds of milliseconds
 // on an idle server (~300 ms for the 256 slots of --shards 1) and several times that on a busy
@@ -769,11 +813,11 @@ func (r *Relay) reportStats(ctx context.Context) {
 	for {
 		var backlog int64
 		var oldest float64
-		if err := r.cfg.DB.QueryRow(ctx, r.sql.stats).Scan(&backlog, &oldest); err == nil {
+		if err := (reads{r}).QueryRow(ctx, r.sql.stats).Scan(&backlog, &oldest); err == nil {
 			r.metrics.Backlog.Set(float64(backlog))
 			r.metrics.OldestPending.Set(oldest)
 		}
-		if depths, err := dlq.Stats(ctx, r.cfg.DB, r.cfg.Schema); err == nil {
+		if depths, err := dlq.Stats(ctx, reads{r}, r.cfg.Schema); err == nil {
 			for source, d := range depths {
 				r.metrics.DLQDepth.WithLabelValues(string(source)).Set(float64(d.Count))
 				r.metrics.DLQAge.WithLabelValues(string(source)).Set(d.OldestAgeSeconds)

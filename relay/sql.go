@@ -62,9 +62,12 @@ func renderQueries(schema string, slots int) queries {
 			VALUES ($1, now() + $2 * interval '1 millisecond', nullif($3, ''), $4)
 			ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at,
 				transactional_id_prefix = excluded.transactional_id_prefix, shards = excluded.shards`),
-		// A live relay of the outbox that publishes with another transactional-ID prefix than $2.
-		liveOtherPrefix: r(`SELECT owner, transactional_id_prefix FROM {schema}.txbox_relay_node
-			WHERE expires_at > now() AND owner <> $1 AND transactional_id_prefix <> $2 LIMIT 1`),
+		// A live relay of the outbox that publishes with another transactional-ID prefix than $2,
+		// or, unless $3 (the prefix was configured), one of a version before migration 00012, which
+		// records neither its prefix nor its shard count (its prefix is "" here).
+		liveOtherPrefix: r(`SELECT owner, coalesce(transactional_id_prefix, '') FROM {schema}.txbox_relay_node
+			WHERE expires_at > now() AND owner <> $1 AND (transactional_id_prefix <> $2 OR (shards IS NULL AND NOT $3))
+			LIMIT 1`),
 		forgetNode: r(`DELETE FROM {schema}.txbox_relay_node WHERE owner = $1`),
 		liveNodes:  r(`SELECT count(*) FROM {schema}.txbox_relay_node WHERE expires_at > now()`),
 		pruneNodes: r(`DELETE FROM {schema}.txbox_relay_node WHERE expires_at < now() - interval '1 hour'`),
