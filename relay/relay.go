@@ -495,12 +495,13 @@ func (row readRow) Scan(dest ...any) error {
 	})
 }
 
-// beginReadCommitted begins every read of the relay (its transactions begin read committed too,
-// through pgx.TxOptions), whatever the database's default_transaction_isolation: with repeatable read or serializable, lease rows that another
-// relay updated fail the relay's transactions ("could not serialize access"), relays starting
-// together fail to start, and the relay's reads of pending rows make the application's
-// serializable transactions that write to the outbox fail to serialize. Its fence is the lease
-// row lock, not the isolation level (TestARelayOnASerializableDatabaseLeavesItsWritersAlone).
+// beginReadCommitted begins every read of the relay, read only, and read committed whatever the
+// database's default_transaction_isolation (the relay's transactions begin read committed too,
+// through pgx.TxOptions). With repeatable read or serializable, lease rows that another relay
+// updated fail the relay's transactions ("could not serialize access"), relays starting together
+// fail to start, and the relay's reads of pending rows make the application's serializable
+// transactions that write to the outbox fail to serialize. The relay's fence is the lease row
+// lock, not the isolation level (TestARelayOnASerializableDatabaseLeavesItsWritersAlone).
 const beginReadCommitted = "begin isolation level read committed read only"
 
 // minReadTimeout is the least statement timeout of a read (Relay.read). Such a read holds
