@@ -51,7 +51,8 @@
 // on another instance's lock, no connection in time), or it ended in a serialization failure, a
 // deadlock, a lock timeout, a lost connection, a server shutting down, or the cancellation of the
 // delivery's context at shutdown. A handler frozen past IdleInTransactionTimeout counts, like a
-// crash. A message with no usable id, a payload over the
+// crash, and so does a panic in the handler, which the middleware lets pass without ending the
+// attempt (Watermill's router recovers it and nacks the message). A message with no usable id, a payload over the
 // limit, or a handler error wrapping ErrUnprocessable goes there at once.
 //
 // # Middleware order

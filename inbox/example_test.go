@@ -41,8 +41,8 @@ func Example() {
 		return
 	}
 	defer pub.Close()
-	order1 := message.NewMessage(watermill.NewUUID(), []byte(`{"account":"alice","total":4200}`))
-	order2 := message.NewMessage(watermill.NewUUID(), []byte(`{"account":"alice","total":1000}`))
+	order1 := message.NewMessage(watermill.NewUUID(), []byte(`{"order":"order-1","account":"alice","total":4200}`))
+	order2 := message.NewMessage(watermill.NewUUID(), []byte(`{"order":"order-2","account":"alice","total":1000}`))
 	if err := pub.Publish("orders.placed", order1, order1.Copy(), order2); err != nil {
 		fmt.Println(err)
 		return
@@ -103,7 +103,10 @@ func runBilling(ctx context.Context, pool *pgxpool.Pool, brokers []string, logge
 			return fmt.Errorf("%w: %v", inbox.ErrUnprocessable, err) // to the DLQ at once
 		}
 		tx, _ := inbox.TxFromContext(msg.Context()) // your writes commit with the inbox row
-		_, err := tx.Exec(msg.Context(), `UPDATE accounts SET balance = balance - $1 WHERE id = $2`, order.Total, order.Account)
+		tag, err := tx.Exec(msg.Context(), `UPDATE accounts SET balance = balance - $1 WHERE id = $2`, order.Total, order.Account)
+		if err == nil && tag.RowsAffected() == 0 {
+			return fmt.Errorf("%w: no account %q", inbox.ErrUnprocessable, order.Account) // an unknown account is a dead letter, not a silent no-op
+		}
 		return err
 	})
 	return router.Run(ctx)

@@ -256,6 +256,45 @@ func TestAttemptsAreCountedBeforeTheHandlerRuns(t *testing.T) {
 	require.Equal(t, 1, b.count(t, "txbox_dlq", "reason = $1", inbox.ReasonAttemptsExhausted))
 }
 
+// A panic in a handler crashes nothing: Watermill's router recovers it and nacks the message. The
+// inbox lets the panic pass without ending the attempt, as it would a crash, so the message runs
+// alone at its redeliveries and each panic counts: after MaxAttempts of them, in the one process,
+// it is dead-lettered, with no last error (the panic is in the router's log). A message delivered
+// beside it is processed, and the router runs on.
+func TestAHandlerPanicInARouterCountsAsAnAttempt(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil) // MaxAttempts: 3
+	logger := watermill.NopLogger{}
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, logger)
+	router, err := message.NewRouter(message.RouterConfig{}, logger)
+	require.NoError(t, err)
+	router.AddMiddleware(b.inbox.Middleware)
+	poison, healthy := newMessage(), newMessage()
+	var poisonRuns atomic.Int64
+	h := b.handler(func(msg *message.Message) error {
+		if msg.UUID == poison.UUID {
+			poisonRuns.Add(1)
+			panic("poison") // After the handler's insert, which is rolled back.
+		}
+		return nil
+	})
+	router.AddConsumerHandler("h", "in", pubsub, func(msg *message.Message) error {
+		_, err := h(msg)
+		return err
+	})
+	txtest.RunRouter(t, router)
+
+	require.NoError(t, pubsub.Publish("in", poison, healthy))
+	require.Eventually(t, func() bool {
+		return b.count(t, "txbox_dlq", "uuid = $1", poison.UUID) == 1 && b.count(t, "effects", "id = $1", healthy.UUID) == 1
+	}, time.Minute, 10*time.Millisecond)
+	require.Equal(t, 1, b.count(t, "txbox_dlq", "uuid = $1 AND reason = $2 AND attempts = 3 AND error = '3 attempts failed'", poison.UUID, inbox.ReasonAttemptsExhausted))
+	require.Equal(t, int64(3), poisonRuns.Load(), "the handler panicked once per attempt")
+	require.Zero(t, b.count(t, "effects", "id = $1", poison.UUID), "each panic rolled the handler's writes back")
+	require.Zero(t, b.count(t, "txbox_inbox_attempt", ""), "both counters are settled")
+	require.False(t, router.IsClosed(), "the router runs on")
+}
+
 // Messages a handler returns are written to the outbox in the handler's transaction for its
 // publish topic; the router's publisher never sees them.
 func TestReturnedMessagesGoThroughTheOutbox(t *testing.T) {

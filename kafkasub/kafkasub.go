@@ -7,6 +7,7 @@ package kafkasub
 
 import (
 	"context"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
@@ -19,9 +20,18 @@ import (
 //     Kafka transaction) is never seen;
 //   - a new consumer group starts at the oldest offset, so messages published before the group
 //     first joined are not skipped;
-//   - protocol version 2.8, the oldest one with the transactional features the relay uses.
+//   - protocol version 2.8, the oldest one with the transactional features the relay uses;
+//   - a read timeout (Net.ReadTimeout) 5 s longer than the rebalance timeout
+//     (Consumer.Group.Rebalance.Timeout): 65 s, where sarama's default is 30 s. The broker holds a
+//     member's JoinGroup until every member has rejoined, for up to the rebalance timeout (60 s), and
+//     a member handling a message rejoins only once the message is acknowledged. A read timeout
+//     shorter than that cuts the JoinGroup off and the member joins again, and again: the group
+//     can go on rebalancing for good, its members receiving nothing (IBM/sarama#2820). Kafka's
+//     Java client waits rebalance timeout + 5 s for a JoinGroup for this reason; sarama has one
+//     read timeout for every request.
 //
-// Change other settings (TLS, SASL, timeouts) on the returned value.
+// Change other settings (TLS, SASL, timeouts) on the returned value. Where a change leaves the read
+// timeout shorter than the rebalance timeout + 5 s, NewSubscriber raises it to that.
 func SaramaConfig() *sarama.Config {
 	c := kafka.DefaultSaramaSubscriberConfig()
 	if !c.Version.IsAtLeast(sarama.V2_8_0_0) {
@@ -29,7 +39,15 @@ func SaramaConfig() *sarama.Config {
 	}
 	c.Consumer.IsolationLevel = sarama.ReadCommitted
 	c.Consumer.Offsets.Initial = sarama.OffsetOldest
+	c.Net.ReadTimeout = max(c.Net.ReadTimeout, joinGroupReadTimeout(c))
 	return c
+}
+
+// joinGroupReadTimeout is the shortest read timeout that lets a JoinGroup be answered: the broker
+// may hold it for the group's rebalance timeout, and the margin is the one Kafka's Java client gives
+// a JoinGroup above it.
+func joinGroupReadTimeout(c *sarama.Config) time.Duration {
+	return c.Consumer.Group.Rebalance.Timeout + 5*time.Second
 }
 
 // SubscriberConfig returns a watermill-kafka subscriber configuration for consumer group

@@ -34,8 +34,26 @@ type Subscriber struct {
 }
 
 // NewSubscriber returns a watermill-kafka subscriber for cfg (see SubscriberConfig) that refuses a
-// second subscription to a topic in its consumer group.
+// second subscription to a topic in its consumer group. With a consumer group, it raises the read
+// timeout of cfg's sarama configuration to 5 s more than its rebalance timeout when it is shorter
+// (see SaramaConfig); cfg's own configuration is left as it is.
 func NewSubscriber(cfg kafka.SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
+	if cfg.ConsumerGroup != "" {
+		// Raised rather than refused, as the relay's KafkaSink overrides the producer settings its
+		// guarantees rest on: a read timeout shorter than that is never right for a JoinGroup
+		// (Kafka's Java client waits at least that long for one, whatever its request timeout),
+		// and refusing it would refuse sarama's own defaults, 30 s read and 60 s rebalance
+		// timeout, which every configuration built on sarama.NewConfig or watermill-kafka's
+		// default carries. The cost: sarama has one read timeout for every request, so a broker
+		// that stops answering any of them is given up on only after that long.
+		sc := kafka.DefaultSaramaSubscriberConfig() // What watermill-kafka uses when cfg has none.
+		if cfg.OverwriteSaramaConfig != nil {
+			copied := *cfg.OverwriteSaramaConfig
+			sc = &copied
+		}
+		sc.Net.ReadTimeout = max(sc.Net.ReadTimeout, joinGroupReadTimeout(sc))
+		cfg.OverwriteSaramaConfig = sc
+	}
 	sub, err := kafka.NewSubscriber(cfg, logger)
 	if err != nil {
 		return nil, err

@@ -19,7 +19,7 @@ import (
 // An order service writes each order and the event announcing it in one transaction, and embeds a
 // relay that publishes the events to Kafka.
 func Example() {
-	env, err := exampletest.Setup(`CREATE TABLE orders (id text PRIMARY KEY, total bigint NOT NULL)`)
+	env, err := exampletest.Setup(`CREATE TABLE orders (id text PRIMARY KEY, account text NOT NULL, total bigint NOT NULL)`)
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -34,7 +34,7 @@ func Example() {
 		fmt.Println(err)
 		return
 	}
-	if err := placeOrder(ctx, pool, w, "order-1", 4200); err != nil {
+	if err := placeOrder(ctx, pool, w, "order-1", "alice", 4200); err != nil {
 		fmt.Println(err)
 		return
 	}
@@ -69,22 +69,23 @@ func Example() {
 		fmt.Println(ctx.Err())
 	}
 	// Output:
-	// orders.placed: {"order":"order-1","total":4200}, partition key order-1
+	// orders.placed: {"order":"order-1","account":"alice","total":4200}, partition key order-1
 }
 
 // placeOrder stores an order and the event announcing it in one transaction: both commit, or
-// neither does.
-func placeOrder(ctx context.Context, pool *pgxpool.Pool, w *outbox.Writer, id string, total int64) error {
+// neither does. The event carries what its consumers act on: billing debits the order's total
+// from its account (the inbox's example).
+func placeOrder(ctx context.Context, pool *pgxpool.Pool, w *outbox.Writer, id, account string, total int64) error {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return err
 	}
 	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
 
-	if _, err := tx.Exec(ctx, `INSERT INTO orders (id, total) VALUES ($1, $2)`, id, total); err != nil {
+	if _, err := tx.Exec(ctx, `INSERT INTO orders (id, account, total) VALUES ($1, $2, $3)`, id, account, total); err != nil {
 		return err
 	}
-	msg := message.NewMessage(watermill.NewUUID(), fmt.Appendf(nil, `{"order":%q,"total":%d}`, id, total))
+	msg := message.NewMessage(watermill.NewUUID(), fmt.Appendf(nil, `{"order":%q,"account":%q,"total":%d}`, id, account, total))
 	outbox.SetPartitionKey(msg, id) // same key → same order, same Kafka partition
 	if err := w.Publish(ctx, tx, "orders.placed", msg); err != nil {
 		return err

@@ -88,8 +88,9 @@ func SubscriberConfig(brokers []string, group string) kafka.SubscriberConfig {
 	s.Consumer.Group.Rebalance.Timeout = 3 * time.Second
 	s.Metadata.Retry.Backoff = 100 * time.Millisecond
 	// When several members of one group leave at once, kfake sometimes leaves a JoinGroup
-	// unanswered until the client's read timeout (30s by default) expires; the member then retries.
-	// A legitimate JoinGroup waits at most the rebalance timeout.
+	// unanswered until the client's read timeout (65s in SaramaConfig) expires; the member then
+	// retries. A legitimate JoinGroup waits at most the rebalance timeout, and the read timeout
+	// must outlast that by 5s (see kafkasub.SaramaConfig).
 	s.Net.ReadTimeout = 10 * time.Second
 	return c
 }
