@@ -78,12 +78,17 @@ func Topic(t testing.TB) string {
 	return "test_" + name + "_" + hex.EncodeToString(b)
 }
 
-// SubscriberConfig returns kafkasub's subscriber configuration with short timeouts for tests.
+// SubscriberConfig returns kafkasub's subscriber configuration with short timeouts for tests. A real
+// cluster (EnvVar) refuses session timeouts below its group.min.session.timeout.ms, 6 s by
+// default; kfake is started to take short ones.
 func SubscriberConfig(brokers []string, group string) kafka.SubscriberConfig {
 	c := kafkasub.SubscriberConfig(brokers, group)
 	s := c.OverwriteSaramaConfig
 	s.Consumer.Offsets.AutoCommit.Interval = 100 * time.Millisecond
 	s.Consumer.Group.Session.Timeout = 2 * time.Second
+	if os.Getenv(EnvVar) != "" {
+		s.Consumer.Group.Session.Timeout = 6 * time.Second
+	}
 	s.Consumer.Group.Heartbeat.Interval = 200 * time.Millisecond
 	s.Consumer.Group.Rebalance.Timeout = 3 * time.Second
 	s.Metadata.Retry.Backoff = 100 * time.Millisecond
