@@ -11,30 +11,41 @@
 // # Locking and the schema
 //
 // Every operation that changes or reads the migration state takes a PostgreSQL advisory lock for
-// the database and schema on one session, so processes migrating the same schema at once take
-// turns. Under that lock Up creates the schema when it is missing (so concurrent first installs do
-// not collide), and the session's search_path is set to the schema for goose, whose SQL files name
-// tables unqualified; the search_path is reset before the connection goes back to db's pool. Status
-// and Down never create anything: on a missing schema they return ErrSchemaNotFound, and Down
-// refuses while txbox's tables hold messages (a *NotEmptyError) unless WithForce is given.
+// the database and schema, so processes migrating the same schema at once take turns. The lock is
+// a transaction's (pg_try_advisory_xact_lock, asked again with a backoff of up to a second, so a
+// waiting process holds no connection), held open on a second connection of db while goose
+// migrates on the first, so db must allow two open connections. Under that lock Up creates the
+// schema when it is missing (so concurrent first installs do not collide). goose's SQL files name
+// tables unqualified: each migration runs in its own transaction, which opens with SET LOCAL
+// search_path to the schema. Nothing is set on a session, so migrating works through a
+// transaction pooler (PgBouncer's pool_mode=transaction, whose pool must then give the database
+// two server connections) and leaves db's connections as they were. Status and Down never create
+// anything: on a missing schema they return ErrSchemaNotFound, and Down refuses while txbox's
+// tables hold messages (a *NotEmptyError) unless WithForce is given.
 //
 // # goose
 //
-// NewProvider returns the goose Provider itself, with txbox's version table and the lock above,
-// for callers who want goose's finer operations (UpByOne, DownTo, ...). It creates the schema
-// under the lock when it is missing, because goose's Up first looks for pending migrations without
-// the lock (HasPending), which creates goose's version table; goose retries that creation when
-// two processes race on it.
+// NewProvider returns the goose Provider itself, with txbox's version table, the lock and the
+// search_path above, for callers who want goose's finer operations (UpByOne, DownTo, ...). It
+// creates the schema under the lock when it is missing, because goose's Up first looks for
+// pending migrations without the lock (HasPending), which creates goose's version table; goose
+// retries that creation when two processes race on it.
 package migrations
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"embed"
 	"errors"
 	"fmt"
 	"hash/crc64"
+	"io"
+	"io/fs"
 	"log/slog"
+	"path"
+	"strings"
+	"time"
 
 	"github.com/pressly/goose/v3"
 
@@ -90,12 +101,12 @@ func WithSchema(name string) Option { return func(o *options) { o.schema = name 
 func WithForce() Option { return func(o *options) { o.force = true } }
 
 // WithGooseOptions appends goose provider options (goose.WithSlog for goose's log lines, say).
-// Options that replace txbox's version table or session locker break the guarantees above.
+// Options that replace txbox's version table or locker break the guarantees above.
 func WithGooseOptions(opts ...goose.ProviderOption) Option {
 	return func(o *options) { o.goose = append(o.goose, opts...) }
 }
 
-// mode is what the session locker checks and does once it holds the lock.
+// mode is what the lock checks and does once it is held.
 type mode int
 
 const (
@@ -190,16 +201,20 @@ func newProvider(ctx context.Context, db *sql.DB, m mode, opts []Option) (*goose
 	// The key is the one earlier versions derived from current_schema(), so old and new binaries
 	// migrating one schema still take turns.
 	lockID := int64(crc64.Checksum([]byte("txbox-migrations:"+database+"."+o.schema), crc64.MakeTable(crc64.ECMA)) >> 1)
-	locker := &sessionLocker{lockID: lockID, schema: o.schema, sql: renderQueries(quoted), mode: m}
+	if db.Stats().MaxOpenConnections == 1 {
+		return nil, errors.New("migrations: db allows one open connection (SetMaxOpenConns(1)); migrating needs two: one holds the schema's lock in a transaction while goose migrates on the other")
+	}
+	q := renderQueries(quoted)
+	locker := &schemaLock{lockID: lockID, schema: o.schema, sql: q, mode: m}
 	base := []goose.ProviderOption{
-		// Qualified, so that HasPending and GetVersions, which take no lock and so run without the
-		// search_path, read the right table.
+		// Qualified, so that HasPending and GetVersions, which take no lock, and goose's inserts
+		// into it, read and write the right table whatever the connection's search_path.
 		goose.WithTableName(o.schema + "." + VersionTable),
-		goose.WithSessionLocker(locker),
+		goose.WithLocker(locker),
 		goose.WithDisableGlobalRegistry(true),
 		goose.WithSlog(slog.New(slog.DiscardHandler)),
 	}
-	p, err := goose.NewProvider(goose.DialectPostgres, db, FS, append(base, o.goose...)...)
+	p, err := goose.NewProvider(goose.DialectPostgres, db, inSchema{FS: FS, setSearchPath: []byte(q.setSearchPath + ";\n")}, append(base, o.goose...)...)
 	if err != nil {
 		return nil, fmt.Errorf("migrations: %w", err)
 	}
@@ -214,80 +229,118 @@ func newProvider(ctx context.Context, db *sql.DB, m mode, opts []Option) (*goose
 }
 
 // ensureSchema creates the schema if it is missing, under the lock.
-func ensureSchema(ctx context.Context, db *sql.DB, l *sessionLocker) error {
-	conn, err := db.Conn(ctx)
-	if err != nil {
-		return fmt.Errorf("migrations: %w", err)
-	}
-	defer conn.Close()
-	if err := l.SessionLock(ctx, conn); err != nil {
+func ensureSchema(ctx context.Context, db *sql.DB, l *schemaLock) error {
+	if err := l.Lock(ctx, db); err != nil {
 		return err
 	}
-	return l.SessionUnlock(ctx, conn)
+	return l.Unlock(ctx, db)
 }
 
-// sessionLocker is goose's SessionLocker for txbox: an advisory lock per database and schema, then
-// the checks of its mode and the search_path, all on the session goose migrates with.
-type sessionLocker struct {
+// schemaLock is goose's Locker for txbox: a transaction-level advisory lock per database and
+// schema, held by a transaction of its own on a second connection while goose migrates on the
+// first, and the checks of its mode in that transaction. It leaves nothing on any session, so that
+// it works through a transaction pooler, which may run each of goose's transactions on another
+// server connection: with a session-level lock and search_path, the lock would stay on whichever
+// server connection took it and later migrations could run with the pooler's default search_path.
+type schemaLock struct {
 	lockID int64
 	schema string
 	sql    queries
 	mode   mode
+	held   *sql.Tx // goose's Provider calls Lock and Unlock in turn, never concurrently
 }
 
-func (l *sessionLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
-	if _, err := conn.ExecContext(ctx, lockSQL, l.lockID); err != nil {
-		return fmt.Errorf("migrations: lock schema %s: %w", l.schema, err)
+// A waiting migrator asks again after at most this long. It does not wait inside a transaction:
+// through a pooler, a transaction that waits holds a server connection the migrating process may
+// need for its next migration.
+const maxLockBackoff = time.Second
+
+func (l *schemaLock) Lock(ctx context.Context, db *sql.DB) error {
+	backoff := 10 * time.Millisecond
+	for {
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return fmt.Errorf("migrations: lock schema %s: %w", l.schema, err)
+		}
+		retry, err := l.lockIn(ctx, tx)
+		switch {
+		case err != nil:
+			return errors.Join(err, tx.Rollback())
+		case !retry:
+			l.held = tx
+			return nil
+		}
+		// Not held yet, or held to create the schema, which goose's connection sees only once
+		// committed.
+		if err := tx.Commit(); err != nil {
+			return fmt.Errorf("migrations: lock schema %s: %w", l.schema, err)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("migrations: lock schema %s: %w", l.schema, context.Cause(ctx))
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, maxLockBackoff)
 	}
-	if err := l.prepare(ctx, conn); err != nil {
-		// goose does not unlock a session whose SessionLock failed.
-		return errors.Join(err, l.SessionUnlock(context.WithoutCancel(ctx), conn))
-	}
-	return nil
 }
 
-func (l *sessionLocker) prepare(ctx context.Context, conn *sql.Conn) error {
+// lockIn tries to take the lock in tx and runs the checks of l's mode under it. retry is true
+// when tx should commit and the lock be asked for again: it is held elsewhere, or tx created the
+// schema.
+func (l *schemaLock) lockIn(ctx context.Context, tx *sql.Tx) (retry bool, err error) {
+	var locked bool
+	if err := tx.QueryRowContext(ctx, lockSQL, l.lockID).Scan(&locked); err != nil {
+		return false, fmt.Errorf("migrations: lock schema %s: %w", l.schema, err)
+	}
+	if !locked {
+		return true, nil
+	}
 	var exists bool
-	if err := conn.QueryRowContext(ctx, schemaExistsSQL, l.schema).Scan(&exists); err != nil {
-		return fmt.Errorf("migrations: look for schema %s: %w", l.schema, err)
+	if err := tx.QueryRowContext(ctx, schemaExistsSQL, l.schema).Scan(&exists); err != nil {
+		return false, fmt.Errorf("migrations: look for schema %s: %w", l.schema, err)
 	}
 	switch {
 	case !exists && l.mode == createSchema:
-		if _, err := conn.ExecContext(ctx, l.sql.createSchema); err != nil {
-			return fmt.Errorf("migrations: create schema %s: %w", l.schema, err)
+		if _, err := tx.ExecContext(ctx, l.sql.createSchema); err != nil {
+			return false, fmt.Errorf("migrations: create schema %s: %w", l.schema, err)
 		}
+		return true, nil
 	case !exists:
-		return fmt.Errorf("%w: %s", ErrSchemaNotFound, l.schema)
+		return false, fmt.Errorf("%w: %s", ErrSchemaNotFound, l.schema)
 	case l.mode == mustBeInstalled || l.mode == mustBeEmpty:
 		var installed bool
-		if err := conn.QueryRowContext(ctx, l.sql.installed).Scan(&installed); err != nil {
-			return fmt.Errorf("migrations: look for %s.%s: %w", l.schema, VersionTable, err)
+		if err := tx.QueryRowContext(ctx, l.sql.installed).Scan(&installed); err != nil {
+			return false, fmt.Errorf("migrations: look for %s.%s: %w", l.schema, VersionTable, err)
 		}
 		if !installed {
-			return fmt.Errorf("%w: %s has no %s table", ErrNotInstalled, l.schema, VersionTable)
+			return false, fmt.Errorf("%w: %s has no %s table", ErrNotInstalled, l.schema, VersionTable)
 		}
 		if l.mode == mustBeEmpty {
-			if err := l.checkEmpty(ctx, conn); err != nil {
-				return err
-			}
+			return false, l.checkEmpty(ctx, tx)
 		}
 	}
-	if _, err := conn.ExecContext(ctx, l.sql.setSearchPath); err != nil {
-		return fmt.Errorf("migrations: set search_path to %s: %w", l.schema, err)
-	}
-	return nil
+	return false, nil
 }
 
-func (l *sessionLocker) checkEmpty(ctx context.Context, conn *sql.Conn) error {
+// checkEmpty counts the rows Down would drop, in a savepoint rolled back at once: the count's
+// locks on the tables would otherwise last as long as the lock's transaction, and Down's DROP on
+// the other connection would wait for them forever.
+func (l *schemaLock) checkEmpty(ctx context.Context, tx *sql.Tx) error {
 	var tables bool
-	if err := conn.QueryRowContext(ctx, l.sql.tablesExist).Scan(&tables); err != nil {
+	if err := tx.QueryRowContext(ctx, l.sql.tablesExist).Scan(&tables); err != nil {
 		return fmt.Errorf("migrations: look for txbox's tables: %w", err)
 	}
 	if !tables {
 		return nil
 	}
+	if _, err := tx.ExecContext(ctx, savepointSQL); err != nil {
+		return fmt.Errorf("migrations: count rows left: %w", err)
+	}
 	e := NotEmptyError{Schema: l.schema}
-	if err := conn.QueryRowContext(ctx, l.sql.rowsLeft).Scan(&e.OutboxRows, &e.DeadLetters); err != nil {
+	if err := tx.QueryRowContext(ctx, l.sql.rowsLeft).Scan(&e.OutboxRows, &e.DeadLetters); err != nil {
+		return fmt.Errorf("migrations: count rows left: %w", err)
+	}
+	if _, err := tx.ExecContext(ctx, rollbackToSavepointSQL); err != nil {
 		return fmt.Errorf("migrations: count rows left: %w", err)
 	}
 	if e.OutboxRows > 0 || e.DeadLetters > 0 {
@@ -296,15 +349,63 @@ func (l *sessionLocker) checkEmpty(ctx context.Context, conn *sql.Conn) error {
 	return nil
 }
 
-func (l *sessionLocker) SessionUnlock(ctx context.Context, conn *sql.Conn) error {
-	_, resetErr := conn.ExecContext(ctx, resetSearchPathSQL)
-	var unlocked bool
-	err := conn.QueryRowContext(ctx, unlockSQL, l.lockID).Scan(&unlocked)
-	if err == nil && !unlocked {
-		err = errors.New("the session did not hold the lock")
+func (l *schemaLock) Unlock(context.Context, *sql.DB) error {
+	tx := l.held
+	l.held = nil
+	if tx == nil {
+		return fmt.Errorf("migrations: unlock schema %s: not locked", l.schema)
 	}
-	if err != nil {
-		err = fmt.Errorf("migrations: unlock schema %s: %w", l.schema, err)
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("migrations: unlock schema %s: %w", l.schema, err)
 	}
-	return errors.Join(resetErr, err)
+	return nil
 }
+
+// inSchema is FS with every migration's Up and Down opening with SET LOCAL search_path to the
+// schema: the SQL files name tables unqualified, and goose runs each migration in a transaction of
+// its own, which through a transaction pooler is the only scope a setting is sure to have.
+type inSchema struct {
+	fs.FS
+	setSearchPath []byte
+}
+
+func (s inSchema) Open(name string) (fs.File, error) {
+	f, err := s.FS.Open(name)
+	if err != nil || !strings.HasSuffix(name, ".sql") {
+		return f, err
+	}
+	defer f.Close()
+	src, err := io.ReadAll(f)
+	if err != nil {
+		return nil, err
+	}
+	if bytes.Contains(src, []byte("+goose NO TRANSACTION")) {
+		// SET LOCAL outside a transaction changes nothing: the file would run in whatever schema
+		// the connection has.
+		return nil, fmt.Errorf("migrations: %s runs outside a transaction, so it cannot be scoped to the schema", name)
+	}
+	var out bytes.Buffer
+	for line := range bytes.Lines(src) {
+		out.Write(line)
+		if t := bytes.TrimSpace(line); bytes.Equal(t, []byte("-- +goose Up")) || bytes.Equal(t, []byte("-- +goose Down")) {
+			out.Write(s.setSearchPath)
+		}
+	}
+	return &sqlFile{Reader: bytes.NewReader(out.Bytes()), name: name, size: int64(out.Len())}, nil
+}
+
+// sqlFile is a migration file rewritten by inSchema.
+type sqlFile struct {
+	*bytes.Reader
+	name string
+	size int64
+}
+
+func (f *sqlFile) Stat() (fs.FileInfo, error) { return f, nil }
+func (f *sqlFile) Close() error               { return nil }
+func (f *sqlFile) Name() string               { return path.Base(f.name) }
+func (f *sqlFile) Size() int64                { return f.size }
+func (f *sqlFile) Mode() fs.FileMode          { return 0o444 }
+func (f *sqlFile) ModTime() time.Time         { return time.Time{} }
+func (f *sqlFile) IsDir() bool                { return false }
+func (f *sqlFile) Sys() any                   { return nil }

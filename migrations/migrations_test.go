@@ -166,22 +166,87 @@ func TestDownRefusesWhileMessagesRemain(t *testing.T) {
 	require.Equal(t, []string{migrations.VersionTable}, tables(t, db, "txbox"))
 }
 
-// The search_path goose needs is set on the migrating session only, and reset before that
-// connection goes back to the caller's pool.
-func TestSearchPathIsResetAfterwards(t *testing.T) {
+// The search_path goose needs is set in each migration's transaction only: the caller's
+// connections keep theirs. A pool of one connection, which the lock's second connection cannot
+// come from, is refused up front rather than left waiting for itself.
+func TestMigratingLeavesTheConnectionsAsTheyWere(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := open(t, pgtest.NewDatabase(t))
 	db.SetMaxOpenConns(1)
+	_, err := migrations.Up(ctx, db, migrations.WithSchema("txbox"))
+	require.ErrorContains(t, err, "SetMaxOpenConns(1)")
+
+	db.SetMaxOpenConns(2)
+	db.SetMaxIdleConns(2)
 	var before string
 	require.NoError(t, db.QueryRow(`SHOW search_path`).Scan(&before))
-	_, err := migrations.Up(ctx, db, migrations.WithSchema("txbox"))
+	_, err = migrations.Up(ctx, db, migrations.WithSchema("txbox"))
 	require.NoError(t, err)
 	_, err = migrations.Status(ctx, db, migrations.WithSchema("nope"))
 	require.ErrorIs(t, err, migrations.ErrSchemaNotFound)
-	var after string
-	require.NoError(t, db.QueryRow(`SHOW search_path`).Scan(&after))
-	require.Equal(t, before, after)
+	for range 2 { // both connections, the one goose migrated on and the one that held the lock
+		conn, err := db.Conn(ctx)
+		require.NoError(t, err)
+		defer conn.Close()
+		var after string
+		var locks int
+		require.NoError(t, conn.QueryRowContext(ctx, `SELECT current_setting('search_path'),
+			(SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())`).Scan(&after, &locks))
+		require.Equal(t, before, after)
+		require.Zero(t, locks, "no advisory lock stays on the connection")
+	}
+}
+
+// Through PgBouncer in transaction mode, where consecutive transactions of one client may run on
+// different server connections and nothing a transaction sets on its session outlives it, every
+// table still lands in the schema, concurrent installs still take turns, and Down finds what Up
+// made. With the lock and search_path on the session, the first migration's tables went to the
+// pooler's default schema, or the unlock failed on a server connection that never held the lock.
+func TestMigratingThroughATransactionPooler(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	direct := pgtest.NewDatabase(t)
+	pooled := pgtest.ThroughPgBouncer(t, direct)
+	var g errgroup.Group
+	for range 3 {
+		db := open(t, pooled)
+		g.Go(func() error {
+			_, err := migrations.Up(ctx, db, migrations.WithSchema("txbox"))
+			return err
+		})
+	}
+	require.NoError(t, g.Wait())
+
+	db := open(t, direct)
+	require.Contains(t, tables(t, db, "txbox"), "txbox_outbox")
+	require.Contains(t, tables(t, db, "txbox"), "txbox_inbox")
+	require.Empty(t, tables(t, db, "public"), "nothing lands in the server's default schema")
+	var applied int
+	require.NoError(t, db.QueryRow(`SELECT count(*) FROM txbox.`+migrations.VersionTable+` WHERE version_id > 0`).Scan(&applied))
+	require.Len(t, sources(t, db), applied, "each migration applied exactly once")
+
+	through := open(t, pooled)
+	st, err := migrations.Status(ctx, through, migrations.WithSchema("txbox"))
+	require.NoError(t, err)
+	for _, s := range st {
+		require.Equal(t, goose.StateApplied, s.State, s.Source.Path)
+	}
+	_, err = through.Exec(`INSERT INTO txbox.txbox_outbox (kind, slot, topic, partition_key, uuid, payload) VALUES ('message', 0, 't', '', 'u', '')`)
+	require.NoError(t, err)
+	var notEmpty *migrations.NotEmptyError
+	_, err = migrations.Down(ctx, through, migrations.WithSchema("txbox"))
+	require.ErrorAs(t, err, &notEmpty)
+	_, err = migrations.Down(ctx, through, migrations.WithSchema("txbox"), migrations.WithForce())
+	require.NoError(t, err)
+	require.Equal(t, []string{migrations.VersionTable}, tables(t, db, "txbox"))
+}
+
+func sources(t *testing.T, db *sql.DB) []*goose.Source {
+	t.Helper()
+	p, err := migrations.NewProvider(context.Background(), db, migrations.WithSchema("txbox"))
+	require.NoError(t, err)
+	return p.ListSources()
 }
 
 func TestSchemaNamesAreValidated(t *testing.T) {

@@ -6,12 +6,13 @@ import "github.com/txbox/txbox/internal/sqlname"
 const (
 	currentDatabaseSQL = `SELECT current_database()`
 	schemaExistsSQL    = `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)`
-	// The lock is held by the migrating session; PostgreSQL releases it if that session dies.
-	lockSQL   = `SELECT pg_advisory_lock($1)`
-	unlockSQL = `SELECT pg_advisory_unlock($1)`
-	// Back to the search_path the connection was opened with, before the connection returns to the
-	// caller's pool.
-	resetSearchPathSQL = `RESET search_path`
+	// The lock lasts as long as the transaction that takes it, which PostgreSQL ends if its
+	// session dies. The transaction waits idle while goose migrates on another connection, so a
+	// server-wide idle_in_transaction_session_timeout must not end it.
+	lockSQL = `SELECT pg_try_advisory_xact_lock($1)
+		FROM (SELECT set_config('idle_in_transaction_session_timeout', '0', true)) AS no_idle_timeout`
+	savepointSQL           = `SAVEPOINT txbox_count`
+	rollbackToSavepointSQL = `ROLLBACK TO SAVEPOINT txbox_count`
 )
 
 // queries are the statements that name the schema, rendered once per provider.
@@ -26,7 +27,7 @@ type queries struct {
 func renderQueries(quotedSchema string) queries {
 	return queries{
 		createSchema:  sqlname.Render(`CREATE SCHEMA IF NOT EXISTS {schema}`, quotedSchema),
-		setSearchPath: sqlname.Render(`SET search_path TO {schema}`, quotedSchema),
+		setSearchPath: sqlname.Render(`SET LOCAL search_path TO {schema}`, quotedSchema),
 		installed:     sqlname.Render(`SELECT to_regclass('{schema}.`+VersionTable+`') IS NOT NULL`, quotedSchema),
 		tablesExist:   sqlname.Render(`SELECT to_regclass('{schema}.txbox_outbox') IS NOT NULL AND to_regclass('{schema}.txbox_dlq') IS NOT NULL`, quotedSchema),
 		rowsLeft:      sqlname.Render(`SELECT (SELECT count(*) FROM {schema}.txbox_outbox), (SELECT count(*) FROM {schema}.txbox_dlq)`, quotedSchema),

@@ -134,6 +134,26 @@ func NewDatabase(t testing.TB) string {
 	return dbURL
 }
 
+// ThroughPgBouncer starts a PgBouncer in transaction pooling mode for this test in front of the
+// test server (see pgserver.StartPgBouncer: every transaction may get another server connection,
+// with no session state left over) and returns dbURL, a connection string to that server, routed
+// through it. It fails the test, saying how to install pgbouncer, when the machine lacks it.
+func ThroughPgBouncer(t testing.TB, dbURL string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	b, err := pgserver.StartPgBouncer(ctx, AdminURL(t), t.Logf)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := b.Stop(); err != nil {
+			t.Errorf("pgtest: %v", err)
+		}
+	})
+	return b.URLFor(dbURL)
+}
+
 // CreateDatabase is NewDatabase for callers without a testing.TB (runnable
 // examples): it returns the new database's connection string and a function
 // that drops it.

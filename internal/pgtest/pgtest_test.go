@@ -1,6 +1,7 @@
 package pgtest
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -21,7 +22,7 @@ import (
 const childEnv = "TXBOX_PGTEST_CHILD"
 
 func TestMain(m *testing.M) {
-	if os.Getenv(childEnv) != "" {
+	if mode := os.Getenv(childEnv); mode == "pass" || mode == "fail" {
 		discover = func(ctx context.Context, _ string, logf func(string, ...any)) (*pgserver.Server, error) {
 			return pgserver.StartThrowaway(ctx, logf)
 		}
@@ -32,7 +33,12 @@ func TestMain(m *testing.M) {
 func TestChild(t *testing.T) {
 	mode := os.Getenv(childEnv)
 	if mode == "" {
-		return // only meaningful when run by TestMainStopsThrowaway
+		return // only meaningful when run by TestMainStopsThrowaway or TestAKilledTestLeavesNoPgBouncer
+	}
+	if mode == "pgbouncer" {
+		fmt.Printf("CHILD_URL=%s\n", ThroughPgBouncer(t, AdminURL(t)))
+		time.Sleep(time.Minute) // killed by the parent long before
+		return
 	}
 	fmt.Printf("CHILD_URL=%s\n", NewDatabase(t))
 	if mode == "fail" {
@@ -67,6 +73,66 @@ func TestMainStopsThrowaway(t *testing.T) {
 				t.Errorf("throwaway server %s still answers after the child exited", url)
 			}
 		})
+	}
+}
+
+// Through the PgBouncer, a transaction finds nothing an earlier one set on its session.
+func TestThroughPgBouncerLeavesNoSessionState(t *testing.T) {
+	url := ThroughPgBouncer(t, NewDatabase(t))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(ctx, `SET search_path TO pg_catalog`); err != nil {
+		t.Fatal(err)
+	}
+	var path string
+	if err := conn.QueryRow(ctx, `SHOW search_path`).Scan(&path); err != nil {
+		t.Fatal(err)
+	}
+	if path == "pg_catalog" {
+		t.Fatalf("search_path %q survived its transaction: this is not a transaction pooler that resets sessions", path)
+	}
+}
+
+// A test binary killed outright runs no cleanup; its PgBouncer must go with it all the same.
+func TestAKilledTestLeavesNoPgBouncer(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestChild$", "-test.v")
+	cmd.Env = append(os.Environ(), childEnv+"=pgbouncer")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	var url string
+	lines := bufio.NewScanner(out)
+	for url == "" && lines.Scan() {
+		if u, ok := strings.CutPrefix(lines.Text(), "CHILD_URL="); ok {
+			url = u
+		}
+	}
+	if url == "" {
+		t.Fatalf("child printed no URL (%v)", lines.Err())
+	}
+	if err := pgserver.Ping(context.Background(), url, 5*time.Second); err != nil {
+		t.Fatalf("the child's PgBouncer does not answer: %v", err)
+	}
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	deadline := time.Now().Add(10 * time.Second)
+	for pgserver.Ping(context.Background(), url, time.Second) == nil {
+		if time.Now().After(deadline) {
+			t.Fatalf("the PgBouncer at %s still answers 10 s after its test binary was killed", url)
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }
 
