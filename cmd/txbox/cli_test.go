@@ -15,12 +15,14 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/proctest"
 	"github.com/txbox/txbox/internal/txtest"
+	"github.com/txbox/txbox/migrations"
 )
 
 // result is what one txbox invocation did.
@@ -334,6 +336,35 @@ func TestMigrateUpIntoANewSchema(t *testing.T) {
 	r = e.txbox(t, nil, "migrate", "status", "--schema", schema)
 	require.Zero(t, r.code, r)
 	require.Regexp(t, `00001_txbox.sql\s+applied \d{4}-`, r.stdout)
+}
+
+// A schema that lacks this binary's latest migrations is refused before anything runs, naming
+// them and the command that applies them; before, the commands warned and then failed in the
+// middle of work on a missing column.
+func TestCommandsRefuseASchemaThatLacksMigrations(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	schema := e.Schema + "_old"
+	e.dropSchemaLater(t, schema)
+	db := stdlib.OpenDBFromPool(e.Pool)
+	defer db.Close()
+	p, err := migrations.NewProvider(context.Background(), db, migrations.WithSchema(schema))
+	require.NoError(t, err)
+	sources := p.ListSources()
+	latest := sources[len(sources)-1].Version
+	_, err = p.UpTo(context.Background(), sources[len(sources)-2].Version)
+	require.NoError(t, err)
+
+	for _, args := range [][]string{{"status"}, {"dlq", "list"}, {"relay", "--kafka-brokers", "127.0.0.1:1"}} {
+		r := e.txbox(t, map[string]string{"TXBOX_SCHEMA": schema}, args...)
+		require.Equal(t, 2, r.code, "%v: %v", args, r)
+		require.Contains(t, r.stderr, fmt.Sprintf("lacks migrations [%d]", latest), args)
+		require.Contains(t, r.stderr, "run: txbox migrate up --schema "+schema, args)
+	}
+	r := e.txbox(t, map[string]string{"TXBOX_SCHEMA": schema}, "migrate", "up")
+	require.Zero(t, r.code, r)
+	r = e.txbox(t, map[string]string{"TXBOX_SCHEMA": schema}, "status")
+	require.Zero(t, r.code, r)
 }
 
 // Several `txbox migrate up` at once on a schema that does not exist yet all succeed.

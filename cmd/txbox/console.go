@@ -48,7 +48,7 @@ func (a *app) consoleCommand() *cobra.Command {
 	a.setting(fs, durationIn(&refresh, time.Second, time.Minute), "refresh", "TXBOX_CONSOLE_REFRESH", "how often the overview takes a new snapshot")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
-		pool, err := d.connect(ctx, a.log)
+		pool, err := d.connect(ctx)
 		if err != nil {
 			return err
 		}

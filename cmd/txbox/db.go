@@ -57,7 +57,7 @@ func (d *database) open(ctx context.Context) (*pgxpool.Pool, error) {
 
 // connect opens a pool and checks that txbox is installed in the schema, so that a mistyped
 // schema is a usage error before anything runs rather than "relation does not exist" later.
-func (d *database) connect(ctx context.Context, log interface{ Warn(string, ...any) }) (*pgxpool.Pool, error) {
+func (d *database) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	pool, err := d.open(ctx)
 	if err != nil {
 		return nil, err
@@ -78,7 +78,11 @@ func (d *database) connect(ctx context.Context, log interface{ Warn(string, ...a
 		pool.Close()
 		return nil, usagef("%s: txbox is not installed in schema %q; run: txbox migrate up --schema %s", refOf(d.cmd, "schema"), d.schema, d.schema)
 	case len(pending) > 0:
-		log.Warn("the schema lacks migrations this txbox has; run txbox migrate up", "schema", d.schema, "pending", pending)
+		// This binary's statements need every column and index its migrations make: without them
+		// it would fail later, in the middle of work, on a missing column.
+		pool.Close()
+		return nil, usagef("%s: schema %q lacks migrations %v that this txbox needs; run: txbox migrate up --schema %s",
+			refOf(d.cmd, "schema"), d.schema, pending, d.schema)
 	}
 	return pool, nil
 }
@@ -102,7 +106,7 @@ func connectAdmin[T any](ctx context.Context, a *app, d *database, newAdmin func
 	if err != nil {
 		return nil, admin, usagef("%v", fieldNames(d.cmd, err))
 	}
-	pool, err := d.connect(ctx, a.log)
+	pool, err := d.connect(ctx)
 	if err != nil {
 		return nil, admin, err
 	}

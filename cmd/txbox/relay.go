@@ -110,7 +110,7 @@ func (a *app) relayCommand() *cobra.Command {
 			MaxPublishAttempts: s.maxPublishAttempts, MinPublishBackoff: s.minPublishBackoff, MaxPublishBackoff: s.maxPublishBackoff,
 			Logger: a.log, Registerer: reg,
 		}
-		pool, err := d.connect(ctx, a.log)
+		pool, err := d.connect(ctx)
 		if err != nil {
 			return err
 		}

@@ -56,7 +56,7 @@ func (a *app) retentionCommand() *cobra.Command {
 			return usagef("%s (%s) must be longer than %s (%s): a message the broker redelivers after the inbox forgot it is processed twice",
 				refOf(cmd, "inbox-retention"), formatDuration(inbox), refOf(cmd, "broker-retention"), formatDuration(broker))
 		}
-		pool, err := d.connect(ctx, a.log)
+		pool, err := d.connect(ctx)
 		if err != nil {
 			return err
 		}

@@ -27,7 +27,7 @@ func (a *app) statusCommand() *cobra.Command {
 	asJSON := cmd.Flags().Bool("json", false, "print the report as a JSON object, exact (the status package's Report)")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
-		pool, err := d.connect(ctx, a.log)
+		pool, err := d.connect(ctx)
 		if err != nil {
 			return err
 		}
