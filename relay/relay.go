@@ -807,6 +807,13 @@ func (r *Relay) shutdown() {
 	}
 }
 
+// The bounds of the gauges' query (sql.go, stats): exact up to statsCountLimit pending rows,
+// about 10 ms of server time here; the oldest among the first statsOldestAmong.
+const (
+	statsCountLimit  = 100_000
+	statsOldestAmong = 10_000
+)
+
 // reportStats refreshes the backlog and dead-letter gauges.
 func (r *Relay) reportStats(ctx context.Context) {
 	t := time.NewTicker(r.cfg.StatsInterval)
@@ -814,7 +821,7 @@ func (r *Relay) reportStats(ctx context.Context) {
 	for {
 		var backlog int64
 		var oldest float64
-		if err := (reads{r}).QueryRow(ctx, r.sql.stats).Scan(&backlog, &oldest); err == nil {
+		if err := (reads{r}).QueryRow(ctx, r.sql.stats, statsCountLimit, statsOldestAmong).Scan(&backlog, &oldest); err == nil {
 			r.metrics.Backlog.Set(float64(backlog))
 			r.metrics.OldestPending.Set(oldest)
 		}

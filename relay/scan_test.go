@@ -210,3 +210,46 @@ func TestReadsAreBoundedByTheBatch(t *testing.T) {
 		}
 	}
 }
+
+// The gauges' query reads a bounded part of the backlog: an exact count up to its limit, then
+// PostgreSQL's estimate, close to the real count; the oldest row among the first few by id. It
+// counted and aged the whole outbox, every StatsInterval in every relay process, so its cost grew
+// with the backlog an outage leaves.
+func TestTheGaugesQueryIsBoundedByItsLimits(t *testing.T) {
+	t.Parallel()
+	env, q := backlogEnv(t)
+	ctx := context.Background()
+	const countLimit, oldestAmong = 1000, 100
+	rows, buffers := touched(t, env, q.stats, countLimit, oldestAmong)
+	t.Logf("%.0f rows, %.0f buffers with %d pending", rows, buffers, scanBacklog)
+	if bound := float64(4 * (countLimit + oldestAmong)); rows > bound || buffers > bound {
+		t.Errorf("the gauges' query touched %.0f rows and %.0f buffers with %d rows pending; want at most %.0f of each",
+			rows, buffers, scanBacklog, bound)
+	}
+
+	var pending int64
+	if err := env.Pool.QueryRow(ctx, "SELECT count(*) FROM "+env.Q("txbox_outbox")).Scan(&pending); err != nil {
+		t.Fatal(err)
+	}
+	var estimate, small int64
+	var age, smallAge float64
+	if err := env.Pool.QueryRow(ctx, q.stats, countLimit, oldestAmong).Scan(&estimate, &age); err != nil {
+		t.Fatal(err)
+	}
+	if estimate < pending*9/10 || estimate > pending*11/10 {
+		t.Errorf("backlog estimated at %d with %d pending; want within 10%%", estimate, pending)
+	}
+	if err := env.Pool.QueryRow(ctx, q.stats, pending+1, oldestAmong).Scan(&small, &smallAge); err != nil {
+		t.Fatal(err)
+	}
+	if small != pending {
+		t.Errorf("backlog counted as %d under a limit above it; want the exact %d", small, pending)
+	}
+	var oldest float64
+	if err := env.Pool.QueryRow(ctx, "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM "+env.Q("txbox_outbox")).Scan(&oldest); err != nil {
+		t.Fatal(err)
+	}
+	if age < oldest-1 || age > oldest+1 {
+		t.Errorf("oldest pending %.1f s old; want %.1f", age, oldest)
+	}
+}

@@ -138,7 +138,22 @@ func renderQueries(schema string, slots int) queries {
 		completeMessages: r(`DELETE FROM {schema}.txbox_outbox AS o USING unnest($1::tid[], $2::bigint[]) AS d(tid, id)
 			WHERE o.ctid = d.tid AND o.id = d.id
 			  AND EXISTS (SELECT 1 FROM {schema}.txbox_lease WHERE shard = $3 AND token = $4)`),
-		stats: r(`SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM {schema}.txbox_outbox`),
+		// The gauges' figures, bounded however deep the backlog (a Kafka outage at a few thousand
+		// messages a second makes millions of rows, and every relay process asks every
+		// StatsInterval): the backlog is counted up to $1 rows, and beyond that is PostgreSQL's
+		// estimate of the table's rows (its density at the last VACUUM or ANALYZE, times the
+		// table's current size), never less than $1; the oldest age is that of the oldest of the
+		// first $2 rows by id. A row's id and created_at are both taken as it is written, so the
+		// oldest row is among the first unless a transaction ran longer than it took to write $2
+		// rows.
+		stats: r(`SELECT CASE WHEN c.n < $1 THEN c.n ELSE greatest(c.n, e.estimate) END, o.age
+			FROM (SELECT count(*) AS n FROM (SELECT FROM {schema}.txbox_outbox LIMIT $1) AS capped) AS c,
+			     (SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS age
+			      FROM (SELECT created_at FROM {schema}.txbox_outbox ORDER BY id LIMIT $2) AS head) AS o,
+			     (SELECT CASE WHEN relpages > 0 AND reltuples > 0
+			                  THEN reltuples / relpages * (pg_relation_size(oid) / current_setting('block_size')::bigint)
+			                  ELSE 0 END::bigint AS estimate
+			      FROM pg_catalog.pg_class WHERE oid = '{schema}.txbox_outbox'::regclass) AS e`),
 
 		// Due calls of the lease's slots. A call waits while an earlier call with its partition key
 		// is pending, so calls on one key (charge, then refund) keep their order through retries.

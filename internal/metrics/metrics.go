@@ -130,7 +130,7 @@ func NewRelay(reg prometheus.Registerer, schema string) *Relay {
 		LeaseTTL: gauge("txbox_relay_lease_ttl_seconds",
 			"The relay's lease TTL: side-effect calls should take well under it (compare txbox_side_effect_duration_seconds)."),
 		Backlog: gauge("txbox_outbox_backlog",
-			"Outbox rows (messages and calls) not yet published or executed."),
+			"Outbox rows (messages and calls) not yet published or executed: exact up to 100,000, estimated from the table's size beyond."),
 		OldestPending: gauge("txbox_outbox_oldest_pending_seconds",
 			"Age of the oldest outbox row not yet published or executed."),
 		StatsTime: gauge("txbox_relay_stats_timestamp_seconds",
