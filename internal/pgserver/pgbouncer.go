@@ -25,7 +25,6 @@ type PgBouncer struct {
 	dir      string
 	cmd      *exec.Cmd
 	exited   chan struct{}
-	logf     func(format string, args ...any)
 	stopOnce sync.Once
 	stopErr  error
 }
@@ -61,7 +60,7 @@ func StartPgBouncer(ctx context.Context, upstream string, logf func(format strin
 	if err != nil {
 		return nil, fmt.Errorf("pgserver: temp dir: %w", err)
 	}
-	b := &PgBouncer{dir: dir, logf: logf, exited: make(chan struct{})}
+	b := &PgBouncer{dir: dir, exited: make(chan struct{})}
 	fail := func(err error) (*PgBouncer, error) {
 		return nil, errors.Join(err, b.Stop())
 	}
@@ -98,8 +97,15 @@ logfile = %s
 `, upstreamDB, port, filepath.Join(dir, "users.txt"), PgBouncerPoolSize, b.logPath())
 	users := fmt.Sprintf("%q \"\"\n", cfg.User)
 	for name, content := range map[string]string{"pgbouncer.ini": ini, "users.txt": users} {
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
+		// The upstream password, if any, is in the ini: readable by pgbouncer's user alone.
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
 			return fail(fmt.Errorf("pgserver: %w", err))
+		}
+		if runAs != nil {
+			if err := os.Chown(path, int(runAs.uid), int(runAs.gid)); err != nil {
+				return fail(fmt.Errorf("pgserver: chown %s to %s: %w", path, runAs.name, err))
+			}
 		}
 	}
 
@@ -136,7 +142,11 @@ func (b *PgBouncer) URLFor(dbURL string) string {
 	u, err := url.Parse(dbURL)
 	if err != nil || u.Scheme == "" {
 		// A keyword/value string: the later keywords win.
-		return dbURL + " host=127.0.0.1 port=" + b.addr[strings.LastIndexByte(b.addr, ':')+1:] + " default_query_exec_mode=exec"
+		routed := dbURL + " host=127.0.0.1 port=" + b.addr[strings.LastIndexByte(b.addr, ':')+1:]
+		if !strings.Contains(dbURL, "default_query_exec_mode") {
+			routed += " default_query_exec_mode=exec"
+		}
+		return routed
 	}
 	u.Host = b.addr
 	q := u.Query()
