@@ -201,8 +201,9 @@ func TestMigratingLeavesTheConnectionsAsTheyWere(t *testing.T) {
 // Through PgBouncer in transaction mode, where consecutive transactions of one client may run on
 // different server connections and nothing a transaction sets on its session outlives it, every
 // table still lands in the schema, concurrent installs still take turns, and Down finds what Up
-// made. With the lock and search_path on the session, the first migration's tables went to the
-// pooler's default schema, or the unlock failed on a server connection that never held the lock.
+// made. With the lock and search_path on the session, the unlock failed ("the session did not
+// hold the lock") on a server connection that never held it, and a migration could have run with
+// the pooler's default search_path.
 func TestMigratingThroughATransactionPooler(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
