@@ -130,7 +130,8 @@ func RejectedReplyUUID(idempotencyKey string) string {
 //
 // It returns an error wrapping ErrInvalidCall, and writes nothing, when c cannot be executed or no
 // key can be had: outside a handler, set IdempotencyKey, or call ContextWithSource with something
-// stable first.
+// stable first. A second call with a derived key of the same Name in one transaction is refused
+// the same way: it would share the first one's key.
 func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey string, err error) {
 	key, err := callKey(ctx, c)
 	if err != nil {
@@ -169,10 +170,24 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 	if partitionKey == "" {
 		partitionKey = key
 	}
+	// Only a derived key can be shared by mistake; an explicit key written twice is the caller's
+	// choice (the second call gets the provider's replay of the first).
+	var source *sourceValue
+	if c.IdempotencyKey == "" {
+		source = ctx.Value(sourceKey{}).(*sourceValue) // callKey found it
+		if source.written(tx, c.Name) {
+			return "", fmt.Errorf("%w: Call.Name %q is already used by a call of this message in this transaction: "+
+				"the two would share the idempotency key %s and the provider would execute only the first; give each call its own name",
+				ErrInvalidCall, c.Name, key)
+		}
+	}
 	id := CallUUID(key)
 	_, err = tx.Exec(ctx, w.insertCall, c.ReplyTopic, SlotOf(partitionKey, id), partitionKey, id, payload, meta, key)
 	if err != nil {
 		return "", fmt.Errorf("outbox: insert call %s: %w", key, err)
+	}
+	if source != nil {
+		source.wrote(tx, c.Name)
 	}
 	return key, nil
 }

@@ -186,6 +186,40 @@ func TestCallWithExplicitKeyAndPartitionKey(t *testing.T) {
 	require.Equal(t, []int16{outbox.SlotOf("order-7", "")}, slots, "one partition key, one slot")
 }
 
+// Two calls of one name in one handler would share a derived key, and the provider would execute
+// only the first (the second gets its replay): the second is refused, nothing of it is written, and
+// the first stays. Another name, an explicit key, and the same name in the next transaction (a
+// retry of a rolled-back one) under the same context are not refused.
+func TestASecondCallOfTheSameNameInOneTransactionIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: "msg-1"})
+
+	tx, err := b.env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }() // a failed check must not leave the schema locked
+	first, err := b.w.Call(ctx, tx, charge("charge"))
+	require.NoError(t, err)
+	_, err = b.w.Call(ctx, tx, charge("charge"))
+	require.ErrorIs(t, err, outbox.ErrInvalidCall)
+	require.ErrorContains(t, err, `Call.Name "charge" is already used`)
+	require.ErrorContains(t, err, first, "the error names the shared key")
+	_, err = b.w.Call(ctx, tx, charge("refund"))
+	require.NoError(t, err, "another name")
+	explicit := charge("charge")
+	explicit.IdempotencyKey = "order-7-charge"
+	for range 2 {
+		_, err = b.w.Call(ctx, tx, explicit)
+		require.NoError(t, err, "an explicit key is the caller's to repeat")
+	}
+	require.NoError(t, tx.Commit(ctx))
+	require.Equal(t, 4, b.rows(t), "charge, refund and the explicit key's two calls")
+
+	again, err := b.write(t, ctx, false, charge("charge"))
+	require.NoError(t, err, "the same name in the next transaction")
+	require.Equal(t, first, again)
+}
+
 func TestCallRejectsWhatCannotBeExecuted(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)

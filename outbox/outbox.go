@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
+	"sync"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -261,13 +263,59 @@ type Source struct {
 
 // ContextWithSource records which incoming message is being processed. Side-effect calls written
 // under such a context derive their idempotency keys from it, so a redelivery of the message yields
-// the same keys. The inbox middleware sets it for handlers.
+// the same keys. The inbox middleware sets it for handlers, anew for each attempt.
+//
+// The context also remembers the names of the calls written under it, so that Writer.Call refuses
+// a second call of the same name in the same transaction: the two would share a key, and the
+// provider would execute only the first.
 func ContextWithSource(ctx context.Context, s Source) context.Context {
-	return context.WithValue(ctx, sourceKey{}, s)
+	return context.WithValue(ctx, sourceKey{}, &sourceValue{source: s})
 }
 
 // SourceFromContext returns what ContextWithSource recorded.
 func SourceFromContext(ctx context.Context) (Source, bool) {
-	s, ok := ctx.Value(sourceKey{}).(Source)
-	return s, ok
+	v, ok := ctx.Value(sourceKey{}).(*sourceValue)
+	if !ok {
+		return Source{}, false
+	}
+	return v.source, true
+}
+
+// sourceValue is what ContextWithSource stores: the source, and the names of the calls written
+// under it in one transaction (tx). A call through another transaction starts the names anew, so
+// a caller that retries a rolled-back transaction with the same context writes its calls again.
+type sourceValue struct {
+	source Source
+
+	mu    sync.Mutex
+	tx    Execer
+	names map[string]bool
+}
+
+// written reports whether a call named name was written through tx under this source.
+func (v *sourceValue) written(tx Execer, name string) bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.sameTx(tx) && v.names[name]
+}
+
+// wrote records that a call named name was written through tx.
+func (v *sourceValue) wrote(tx Execer, name string) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if !v.sameTx(tx) {
+		v.tx, v.names = tx, map[string]bool{}
+		if !reflect.TypeOf(tx).Comparable() {
+			// Without identity, no call can be told to be in the same transaction: none is refused.
+			v.tx = nil
+			return
+		}
+	}
+	v.names[name] = true
+}
+
+// sameTx compares identities only when v.tx is set, which it is only for a comparable type, so the
+// comparison cannot panic.
+func (v *sourceValue) sameTx(tx Execer) bool {
+	return v.tx != nil && v.tx == tx
 }
