@@ -30,16 +30,14 @@ import (
 //     Java client waits rebalance timeout + 5 s for a JoinGroup for this reason; sarama has one
 //     read timeout for every request.
 //
-// Change other settings (TLS, SASL, timeouts) on the returned value. Where a change leaves the read
-// timeout shorter than the rebalance timeout + 5 s, NewSubscriber raises it to that.
+// Change other settings (TLS, SASL, timeouts) on the returned value. NewSubscriber sets the isolation
+// level and the initial offset back, and raises a read timeout a change left shorter than the
+// rebalance timeout + 5 s.
 func SaramaConfig() *sarama.Config {
-	c := kafka.DefaultSaramaSubscriberConfig()
+	c := guaranteed(nil, true)
 	if !c.Version.IsAtLeast(sarama.V2_8_0_0) {
 		c.Version = sarama.V2_8_0_0
 	}
-	c.Consumer.IsolationLevel = sarama.ReadCommitted
-	c.Consumer.Offsets.Initial = sarama.OffsetOldest
-	c.Net.ReadTimeout = max(c.Net.ReadTimeout, joinGroupReadTimeout(c))
 	return c
 }
 

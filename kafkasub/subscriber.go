@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 
+	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -34,31 +35,48 @@ type Subscriber struct {
 }
 
 // NewSubscriber returns a watermill-kafka subscriber for cfg (see SubscriberConfig) that refuses a
-// second subscription to a topic in its consumer group. With a consumer group, it raises the read
-// timeout of cfg's sarama configuration to 5 s more than its rebalance timeout when it is shorter
-// (see SaramaConfig); cfg's own configuration is left as it is.
+// second subscription to a topic in its consumer group. It reads with a copy of cfg's sarama
+// configuration (watermill-kafka's default when cfg has none; cfg's own is left as it is) in which
+// the settings txbox's guarantees rest on are set as SaramaConfig sets them: isolation level
+// read_committed, a new group (or one whose committed offsets expired) starting at the oldest
+// offset, and, with a consumer group, a read timeout at least 5 s more than the rebalance timeout.
 func NewSubscriber(cfg kafka.SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
-	if cfg.ConsumerGroup != "" {
-		// Raised rather than refused, as the relay's KafkaSink overrides the producer settings its
-		// guarantees rest on: a read timeout shorter than that is never right for a JoinGroup
-		// (Kafka's Java client waits at least that long for one, whatever its request timeout),
-		// and refusing it would refuse sarama's own defaults, 30 s read and 60 s rebalance
-		// timeout, which every configuration built on sarama.NewConfig or watermill-kafka's
-		// default carries. The cost: sarama has one read timeout for every request, so a broker
-		// that stops answering any of them is given up on only after that long.
-		sc := kafka.DefaultSaramaSubscriberConfig() // What watermill-kafka uses when cfg has none.
-		if cfg.OverwriteSaramaConfig != nil {
-			copied := *cfg.OverwriteSaramaConfig
-			sc = &copied
-		}
-		sc.Net.ReadTimeout = max(sc.Net.ReadTimeout, joinGroupReadTimeout(sc))
-		cfg.OverwriteSaramaConfig = sc
-	}
+	cfg.OverwriteSaramaConfig = guaranteed(cfg.OverwriteSaramaConfig, cfg.ConsumerGroup != "")
 	sub, err := kafka.NewSubscriber(cfg, logger)
 	if err != nil {
 		return nil, err
 	}
 	return &Subscriber{Subscriber: sub, group: cfg.ConsumerGroup, topics: map[string]bool{}}, nil
+}
+
+// guaranteed returns a copy of sc, or of watermill-kafka's default when sc is nil, with the
+// consumer settings SaramaConfig sets for txbox's guarantees.
+//
+// They are set rather than refused, as the relay's KafkaSink sets the producer settings its
+// guarantees rest on: sarama.NewConfig's defaults, which every configuration built on it or on
+// watermill-kafka's default carries unless changed, are read_uncommitted, the newest offset and
+// 30 s read against a 60 s rebalance timeout, and none is right for a consumer of the relay.
+// Read uncommitted, a consumer sees the batch of a relay that lost its lease, an aborted Kafka
+// transaction. From the newest offset, a new group skips every message published before it first
+// joined, and a group whose committed offsets expired (the broker's offsets.retention.minutes,
+// while its consumers were down) skips everything published since, without an error; from the
+// oldest, the inbox drops what was processed already. A read timeout shorter than the rebalance
+// timeout + 5 s cuts off a JoinGroup the broker may hold that long (Kafka's Java client waits at
+// least that long for one, whatever its request timeout); the cost is that sarama has one read
+// timeout for every request, so a broker that stops answering any of them is given up on only
+// after that long.
+func guaranteed(sc *sarama.Config, group bool) *sarama.Config {
+	c := kafka.DefaultSaramaSubscriberConfig() // What watermill-kafka uses when cfg has none.
+	if sc != nil {
+		copied := *sc
+		c = &copied
+	}
+	c.Consumer.IsolationLevel = sarama.ReadCommitted
+	c.Consumer.Offsets.Initial = sarama.OffsetOldest
+	if group {
+		c.Net.ReadTimeout = max(c.Net.ReadTimeout, joinGroupReadTimeout(c))
+	}
+	return c
 }
 
 // Subscribe subscribes to topic until ctx is done. Its error wraps ErrTopicShared when the

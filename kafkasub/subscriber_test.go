@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -73,4 +74,51 @@ func TestEveryHandlerOfATopicNeedsASubscriberOfItsOwn(t *testing.T) {
 	sharedCtx, stop := context.WithTimeout(context.Background(), time.Minute)
 	defer stop()
 	require.ErrorIs(t, router.Run(sharedCtx), kafkasub.ErrTopicShared)
+}
+
+// A subscriber built from a configuration that carries none of txbox's consumer settings (here
+// watermill-kafka's default, as with kafka.SubscriberConfig{Brokers, ConsumerGroup, Unmarshaler})
+// still reads committed messages only, and a new group starts at the oldest offset: it receives
+// what was published before it first joined, and not the batch of an aborted Kafka transaction (a
+// relay that lost its lease). With sarama's defaults it would start at the newest offset and
+// receive neither.
+func TestASubscriberWithoutTxboxSettingsReadsCommittedMessagesFromTheOldest(t *testing.T) {
+	t.Parallel()
+	brokers, topic := kafkatest.Brokers(t), kafkatest.Topic(t)
+	publish := newPartitionPublisher(t, brokers, topic, 1)
+
+	c := sarama.NewConfig()
+	c.Version = sarama.V2_8_0_0
+	c.Producer.Idempotent = true
+	c.Producer.RequiredAcks = sarama.WaitForAll
+	c.Producer.Return.Successes = true
+	c.Net.MaxOpenRequests = 1
+	c.Producer.Transaction.ID = topic + "-zombie"
+	zombie, err := sarama.NewSyncProducer(brokers, c)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = zombie.Close() })
+	require.NoError(t, zombie.BeginTxn())
+	aborted, err := kafka.DefaultMarshaler{}.Marshal(topic, message.NewMessage(watermill.NewUUID(), []byte("aborted")))
+	require.NoError(t, err)
+	_, _, err = zombie.SendMessage(aborted)
+	require.NoError(t, err)
+	require.NoError(t, zombie.AbortTxn())
+	publish("committed") // after the aborted batch, in the same partition
+
+	sub, err := kafkasub.NewSubscriber(kafka.SubscriberConfig{
+		Brokers: brokers, ConsumerGroup: "plain-" + watermill.NewShortUUID(), Unmarshaler: kafka.DefaultMarshaler{},
+	}, watermill.NopLogger{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	messages, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	select {
+	case msg := <-messages:
+		require.Equal(t, "committed/0", string(msg.Payload), "the first message read is the committed one")
+		msg.Ack()
+	case <-ctx.Done():
+		t.Fatal("the message published before the group joined was not delivered")
+	}
 }
