@@ -114,6 +114,13 @@ func (s *KafkaSink) saramaConfig(shard int) *sarama.Config {
 	return c
 }
 
+// transactionTimeout is how long the broker lets a transaction of the sink's producers stay open
+// before it aborts it: sarama's default (1m) unless KafkaConfig.Sarama sets it. Versions before
+// migration 00012 left it at the default too.
+func (s *KafkaSink) transactionTimeout() time.Duration {
+	return s.saramaConfig(0).Producer.Transaction.Timeout
+}
+
 // outboxPrefix is the transactional IDs' prefix for the outbox whose identity is id.
 func outboxPrefix(id string) string { return "txbox-" + id }
 

@@ -138,3 +138,63 @@ func TestARelayBesideARelayOfAnOlderVersionNeedsItsPrefix(t *testing.T) {
 	r, _ := start("txbox")
 	require.Eventually(t, func() bool { return len(r.Shards()) > 0 }, 30*time.Second, 10*time.Millisecond)
 }
+
+// A relay of a version before migration 00012 that was killed (or froze) left its Kafka
+// transactions open under its own transactional IDs: the broker aborts them one transaction
+// timeout after they began, and until then read_committed consumers of their partitions see
+// nothing, the new relay's messages included. A relay with the outbox's default prefix, whose
+// producers would not abort them, waits that long after the old relay's heartbeat ran out; one
+// given the old prefix starts, its producers aborting them. Before, it started once the heartbeat
+// ran out, and an upgrade audit saw a partition's consumers receive nothing for 55 s after the old
+// relay's kill -9, then 12198 records at once.
+func TestARelayWaitsOutTheTransactionsOfAKilledRelayOfAnOlderVersion(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	start := func(prefix string) (*relay.Relay, <-chan error) {
+		sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: kafkatest.Brokers(t), TransactionalIDPrefix: prefix})
+		require.NoError(t, err)
+		r, err := relay.New(relay.Config{
+			DB: b.env.Pool, Sink: sink, Schema: b.env.Schema, Shards: 4, LeaseTTL: 2 * time.Second,
+			Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		})
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		done, stopped := make(chan error, 1), make(chan struct{})
+		go func() {
+			done <- r.Run(ctx)
+			close(stopped)
+		}()
+		t.Cleanup(func() {
+			cancel()
+			<-stopped
+		})
+		return r, done
+	}
+	oldRelay := func(lastHeartbeatRanOut string) {
+		_, err := b.env.Pool.Exec(context.Background(), "INSERT INTO "+b.env.Q("txbox_relay_node")+
+			" (owner, expires_at) VALUES ('old-relay', now() - $1::interval) ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at",
+			lastHeartbeatRanOut)
+		require.NoError(t, err)
+	}
+
+	oldRelay("5 seconds")
+	_, done := start("")
+	select {
+	case err := <-done:
+		require.ErrorContains(t, err, `relay "old-relay", of a version before migration 00012`)
+		require.ErrorContains(t, err, "stopped renewing its heartbeat without stopping cleanly")
+		require.Regexp(t, `up to 1m0s after it began.*start this relay in 5[56]s`, err.Error())
+	case <-time.After(30 * time.Second):
+		t.Fatal("a relay with the outbox's default prefix started while a killed relay of an older version may hold a transaction open")
+	}
+	r, _ := start("txbox")
+	require.Eventually(t, func() bool { return len(r.Shards()) > 0 }, 30*time.Second, 10*time.Millisecond,
+		"a relay with the old relay's prefix starts: its producers abort the old relay's transactions")
+
+	b2 := setup(t)
+	b = b2
+	oldRelay("61 seconds")
+	r, _ = start("")
+	require.Eventually(t, func() bool { return len(r.Shards()) > 0 }, 30*time.Second, 10*time.Millisecond,
+		"once the broker has aborted the old relay's transactions, a relay with the default prefix starts")
+}

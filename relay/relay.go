@@ -309,10 +309,25 @@ func (r *Relay) checkPrefix(ctx context.Context, tx pgx.Tx) error {
 	if err != nil {
 		return err
 	}
-	var owner, other string
+	var (
+		owner, other string
+		alive        bool
+		waitMillis   int64
+	)
 	configured := k.cfg.TransactionalIDPrefix != ""
-	err = tx.QueryRow(ctx, r.sql.liveOtherPrefix, r.cfg.Owner, prefix, configured).Scan(&owner, &other)
+	timeout := k.transactionTimeout()
+	err = tx.QueryRow(ctx, r.sql.liveOtherPrefix, r.cfg.Owner, prefix, configured, timeout.Milliseconds()).Scan(&owner, &other, &alive, &waitMillis)
 	switch {
+	case err == nil && other == "" && !alive:
+		// It died (kill -9, a crash) or froze: a transaction it had open holds back read_committed
+		// consumers of its partitions, and a frozen one may still commit it, until the broker
+		// aborts it. A producer of its transactional ID would abort it at once; ours are others.
+		return fmt.Errorf("relay: relay %q, of a version before migration 00012 (it records no transactional-ID prefix), "+
+			"stopped renewing its heartbeat without stopping cleanly (killed, crashed or frozen): a Kafka transaction it left open "+
+			"holds back read_committed consumers of its partitions until the broker aborts it, up to %v after it began, and "+
+			"this relay's producers (prefix %q, the outbox's default) would not abort it: start this relay in %v, or give it "+
+			"the prefix that relay published with (KafkaConfig.TransactionalIDPrefix; that version's default is \"txbox\"), "+
+			"whose producers abort it", owner, timeout, prefix, (time.Duration(waitMillis) * time.Millisecond).Round(time.Second))
 	case err == nil && other == "":
 		// Such a relay's prefix is "txbox" unless it was configured; a configured prefix is taken
 		// to be its, as an upgrade that keeps the old one sets it (README, "Transactional IDs").

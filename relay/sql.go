@@ -64,10 +64,16 @@ func renderQueries(schema string, slots int) queries {
 				transactional_id_prefix = excluded.transactional_id_prefix, shards = excluded.shards`),
 		// A live relay of the outbox that publishes with another transactional-ID prefix than $2,
 		// or, unless $3 (the prefix was configured), one of a version before migration 00012, which
-		// records neither its prefix nor its shard count (its prefix is "" here).
-		liveOtherPrefix: r(`SELECT owner, coalesce(transactional_id_prefix, '') FROM {schema}.txbox_relay_node
-			WHERE expires_at > now() AND owner <> $1 AND (transactional_id_prefix <> $2 OR (shards IS NULL AND NOT $3))
-			LIMIT 1`),
+		// records neither its prefix nor its shard count (its prefix is "" here). A relay of that version
+		// counts until $4 ms (a Kafka transaction's timeout) after its heartbeat ran out: one that
+		// died without stopping left its open transactions to the broker, which aborts them only
+		// then. Whether it is alive, and the milliseconds until it no longer counts, come with it.
+		liveOtherPrefix: r(`SELECT owner, coalesce(transactional_id_prefix, ''), expires_at > now(),
+				ceil(extract(epoch FROM expires_at + $4 * interval '1 millisecond' - now()) * 1000)::bigint
+			FROM {schema}.txbox_relay_node
+			WHERE owner <> $1 AND (expires_at > now() AND transactional_id_prefix <> $2
+				OR shards IS NULL AND NOT $3 AND expires_at + $4 * interval '1 millisecond' > now())
+			ORDER BY expires_at DESC LIMIT 1`),
 		forgetNode: r(`DELETE FROM {schema}.txbox_relay_node WHERE owner = $1`),
 		liveNodes:  r(`SELECT count(*) FROM {schema}.txbox_relay_node WHERE expires_at > now()`),
 		pruneNodes: r(`DELETE FROM {schema}.txbox_relay_node WHERE expires_at < now() - interval '1 hour'`),
