@@ -119,19 +119,25 @@ const (
 // with txbox's version table and the advisory lock described in the package documentation. It
 // creates the schema, under the lock, when it is missing.
 func NewProvider(ctx context.Context, db *sql.DB, opts ...Option) (*goose.Provider, error) {
-	return newProvider(ctx, db, createSchema, opts)
+	p, _, err := newProvider(ctx, db, createSchema, opts)
+	return p, err
 }
 
 // Up creates the schema when it is missing and applies every pending migration, returning what
 // it applied. A migration that fails is returned as a *goose.PartialError.
 func Up(ctx context.Context, db *sql.DB, opts ...Option) ([]*goose.MigrationResult, error) {
-	p, err := newProvider(ctx, db, createSchema, opts)
+	p, lock, err := newProvider(ctx, db, createSchema, opts)
 	if err != nil {
 		return nil, err
 	}
 	res, err := p.Up(ctx)
 	if err != nil {
 		return res, fmt.Errorf("migrations: up: %w", err)
+	}
+	// A Down that was stopped after it fenced writers off (schemaLock.fenceEmpty) left the fence:
+	// the schema is migrated up again, so writes are welcome again.
+	if err := lock.unfence(ctx, db); err != nil {
+		return res, err
 	}
 	return res, nil
 }
@@ -148,13 +154,18 @@ func Down(ctx context.Context, db *sql.DB, opts ...Option) ([]*goose.MigrationRe
 	if o.force {
 		m = mustBeInstalled
 	}
-	p, err := newProvider(ctx, db, m, opts)
+	p, lock, err := newProvider(ctx, db, m, opts)
 	if err != nil {
 		return nil, err
 	}
 	res, err := p.DownTo(ctx, 0)
 	if err != nil {
-		return res, fmt.Errorf("migrations: down: %w", err)
+		err = fmt.Errorf("migrations: down: %w", err)
+		if !o.force {
+			// Fenced, then failed: writers would go on failing for tables that stay.
+			err = errors.Join(err, lock.unfence(ctx, db))
+		}
+		return res, err
 	}
 	return res, nil
 }
@@ -163,7 +174,7 @@ func Down(ctx context.Context, db *sql.DB, opts ...Option) ([]*goose.MigrationRe
 // was never installed, every migration is pending; a missing schema is ErrSchemaNotFound. It
 // creates nothing.
 func Status(ctx context.Context, db *sql.DB, opts ...Option) ([]*goose.MigrationStatus, error) {
-	p, err := newProvider(ctx, db, mustBeInstalled, opts)
+	p, _, err := newProvider(ctx, db, mustBeInstalled, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -181,7 +192,7 @@ func Status(ctx context.Context, db *sql.DB, opts ...Option) ([]*goose.Migration
 	return st, nil
 }
 
-func newProvider(ctx context.Context, db *sql.DB, m mode, opts []Option) (*goose.Provider, error) {
+func newProvider(ctx context.Context, db *sql.DB, m mode, opts []Option) (*goose.Provider, *schemaLock, error) {
 	o := options{schema: sqlname.DefaultSchema}
 	for _, opt := range opts {
 		opt(&o)
@@ -191,18 +202,18 @@ func newProvider(ctx context.Context, db *sql.DB, m mode, opts []Option) (*goose
 	}
 	quoted, err := sqlname.Schema(o.schema)
 	if err != nil {
-		return nil, fmt.Errorf("migrations: %w", err)
+		return nil, nil, fmt.Errorf("migrations: %w", err)
 	}
 	var database string
 	if err := db.QueryRowContext(ctx, currentDatabaseSQL).Scan(&database); err != nil {
-		return nil, fmt.Errorf("migrations: find the database: %w", err)
+		return nil, nil, fmt.Errorf("migrations: find the database: %w", err)
 	}
 	// One lock per database and schema: installs in different schemas do not wait for each other.
 	// The key is the one earlier versions derived from current_schema(), so old and new binaries
 	// migrating one schema still take turns.
 	lockID := int64(crc64.Checksum([]byte("txbox-migrations:"+database+"."+o.schema), crc64.MakeTable(crc64.ECMA)) >> 1)
 	if db.Stats().MaxOpenConnections == 1 {
-		return nil, errors.New("migrations: db allows one open connection (SetMaxOpenConns(1)); migrating needs two: one holds the schema's lock in a transaction while goose migrates on the other")
+		return nil, nil, errors.New("migrations: db allows one open connection (SetMaxOpenConns(1)); migrating needs two: one holds the schema's lock in a transaction while goose migrates on the other")
 	}
 	q := renderQueries(quoted)
 	locker := &schemaLock{lockID: lockID, schema: o.schema, sql: q, mode: m}
@@ -222,16 +233,16 @@ func newProvider(ctx context.Context, db *sql.DB, m mode, opts []Option) (*goose
 	}
 	p, err := goose.NewProvider(goose.DialectPostgres, db, inSchema{FS: FS, setSearchPath: []byte(q.setSearchPath + ";\n")}, append(base, o.goose...)...)
 	if err != nil {
-		return nil, fmt.Errorf("migrations: %w", err)
+		return nil, nil, fmt.Errorf("migrations: %w", err)
 	}
 	if m == createSchema {
 		// goose's Up looks for pending migrations before it takes the lock, and that look creates
 		// its version table: the schema must exist by then.
 		if err := ensureSchema(ctx, db, locker); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
-	return p, nil
+	return p, locker, nil
 }
 
 // ensureSchema creates the schema if it is missing, under the lock.
@@ -272,6 +283,11 @@ func (l *schemaLock) Lock(ctx context.Context, db *sql.DB) error {
 		switch {
 		case err != nil:
 			return errors.Join(err, tx.Rollback())
+		case !retry && l.mode == mustBeEmpty:
+			if err := l.fenceEmpty(ctx, db); err != nil {
+				return errors.Join(err, tx.Rollback())
+			}
+			fallthrough
 		case !retry:
 			l.held = tx
 			return nil
@@ -321,36 +337,111 @@ func (l *schemaLock) lockIn(ctx context.Context, tx *sql.Tx) (retry bool, err er
 		if !installed {
 			return false, fmt.Errorf("%w: %s has no %s table", ErrNotInstalled, l.schema, VersionTable)
 		}
-		if l.mode == mustBeEmpty {
-			return false, l.checkEmpty(ctx, tx)
-		}
 	}
 	return false, nil
 }
 
-// checkEmpty counts the rows Down would drop, in a savepoint rolled back at once: the count's
-// locks on the tables would otherwise last as long as the lock's transaction, and Down's DROP on
-// the other connection would wait for them forever.
-func (l *schemaLock) checkEmpty(ctx context.Context, tx *sql.Tx) error {
-	var tables bool
+// fenceEmpty makes sure that Down drops no row anyone committed. It counts the outbox rows and
+// dead letters in a transaction of its own on db that first puts downFence on both tables, a
+// constraint no new row passes. Adding it waits for every transaction that wrote to them to end
+// and holds new writes until it commits, so the count sees every row ever committed to them. With
+// rows left the transaction rolls back, and no writer ever met the fence. Without, it commits: from
+// then on a writer's transaction fails, naming the constraint, where it would have committed a row
+// that Down then dropped with its table (a check without the fence, an instant before the drop,
+// let rows committed in between be dropped). Up removes a fence a stopped Down left.
+func (l *schemaLock) fenceEmpty(ctx context.Context, db *sql.DB) error {
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("migrations: count rows left: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	var tables, fenced bool
 	if err := tx.QueryRowContext(ctx, l.sql.tablesExist).Scan(&tables); err != nil {
 		return fmt.Errorf("migrations: look for txbox's tables: %w", err)
 	}
 	if !tables {
 		return nil
 	}
-	if _, err := tx.ExecContext(ctx, savepointSQL); err != nil {
-		return fmt.Errorf("migrations: count rows left: %w", err)
+	if err := tx.QueryRowContext(ctx, l.sql.fenced).Scan(&fenced); err != nil {
+		return fmt.Errorf("migrations: look for a fence: %w", err)
 	}
+	left := func() error {
+		e, err := l.rowsLeft(ctx, tx)
+		switch {
+		case err != nil:
+			return err
+		case e != nil && fenced:
+			// Left by a Down that was stopped; this one is refused, so writes are welcome again.
+			return errors.Join(e, l.unfenceIn(ctx, tx), tx.Commit())
+		case e != nil:
+			return e
+		}
+		return nil
+	}
+	// Counted once before the fence too: the fence's lock (ACCESS EXCLUSIVE) holds the relay's
+	// reads as well as writes, for as long as the count under it takes, so that count should find
+	// nothing, or next to nothing, to count.
+	if err := left(); err != nil {
+		return err
+	}
+	if _, err := tx.ExecContext(ctx, fenceLockTimeoutSQL); err != nil {
+		return fmt.Errorf("migrations: hold writes off: %w", err)
+	}
+	if !fenced {
+		for _, stmt := range l.sql.fence {
+			if _, err := tx.ExecContext(ctx, stmt); err != nil {
+				return fmt.Errorf("migrations: hold writes off %s's outbox and dead letters (a transaction that wrote to them did not end?): %w", l.schema, err)
+			}
+		}
+	}
+	if err := left(); err != nil {
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("migrations: hold writes off: %w", err)
+	}
+	return nil
+}
+
+// rowsLeft counts the rows Down would drop: nil when there are none.
+func (l *schemaLock) rowsLeft(ctx context.Context, tx *sql.Tx) (*NotEmptyError, error) {
 	e := NotEmptyError{Schema: l.schema}
 	if err := tx.QueryRowContext(ctx, l.sql.rowsLeft).Scan(&e.OutboxRows, &e.DeadLetters); err != nil {
-		return fmt.Errorf("migrations: count rows left: %w", err)
-	}
-	if _, err := tx.ExecContext(ctx, rollbackToSavepointSQL); err != nil {
-		return fmt.Errorf("migrations: count rows left: %w", err)
+		return nil, fmt.Errorf("migrations: count rows left: %w", err)
 	}
 	if e.OutboxRows > 0 || e.DeadLetters > 0 {
-		return &e
+		return &e, nil
+	}
+	return nil, nil
+}
+
+// unfence removes the fence of fenceEmpty, if there is one.
+func (l *schemaLock) unfence(ctx context.Context, db *sql.DB) error {
+	var fenced bool
+	if err := db.QueryRowContext(ctx, l.sql.fenced).Scan(&fenced); err != nil {
+		return fmt.Errorf("migrations: look for a fence: %w", err)
+	}
+	if !fenced {
+		return nil
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("migrations: remove the fence: %w", err)
+	}
+	if err := l.unfenceIn(ctx, tx); err != nil {
+		return errors.Join(err, tx.Rollback())
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("migrations: remove the fence: %w", err)
+	}
+	return nil
+}
+
+func (l *schemaLock) unfenceIn(ctx context.Context, tx *sql.Tx) error {
+	for _, stmt := range l.sql.unfence {
+		if _, err := tx.ExecContext(ctx, stmt); err != nil {
+			return fmt.Errorf("migrations: remove the fence %s of %s: %w", downFence, l.schema, err)
+		}
 	}
 	return nil
 }

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 	"testing"
+	"time"
 
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
@@ -378,4 +379,79 @@ func TestUpAppliesAMigrationMergedAfterALaterOne(t *testing.T) {
 	var idx bool
 	require.NoError(t, db.QueryRow(`SELECT to_regclass('txbox.txbox_outbox_call_order') IS NOT NULL`).Scan(&idx))
 	require.True(t, idx, "00008's index exists")
+}
+
+// Down drops no row that anyone committed: a writer whose transaction is open when Down starts,
+// and commits while Down waits for it, keeps its row, and Down is refused. Before, Down counted the
+// rows, found none, and dropped the one committed meanwhile with its table (an upgrade audit lost
+// two messages in each of three rounds of "until txbox migrate down; do :; done" beside a
+// producer).
+func TestDownDropsNoRowCommittedWhileItRuns(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewDatabase(t)
+	db, writer := open(t, url), open(t, url)
+	in := migrations.WithSchema("txbox")
+	_, err := migrations.Up(ctx, db, in)
+	require.NoError(t, err)
+
+	tx, err := writer.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback() }()
+	_, err = tx.Exec(`INSERT INTO txbox.txbox_outbox (kind, slot, topic, partition_key, uuid, payload) VALUES ('message', 0, 't', 'k', 'u-1', '')`)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() {
+		_, err := migrations.Down(ctx, db, in)
+		done <- err
+	}()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		require.NoError(t, writer.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted AND relation = 'txbox.txbox_outbox'::regclass)`).Scan(&waiting))
+		return waiting
+	}, time.Minute, 10*time.Millisecond, "Down waits for the writer's transaction")
+	require.NoError(t, tx.Commit())
+
+	var notEmpty *migrations.NotEmptyError
+	require.ErrorAs(t, <-done, &notEmpty)
+	require.EqualValues(t, 1, notEmpty.OutboxRows)
+	var n int
+	require.NoError(t, db.QueryRow(`SELECT count(*) FROM txbox.txbox_outbox`).Scan(&n))
+	require.Equal(t, 1, n, "the row committed while Down ran is kept")
+	_, err = writer.Exec(`INSERT INTO txbox.txbox_outbox (kind, slot, topic, partition_key, uuid, payload) VALUES ('message', 0, 't', 'k', 'u-2', '')`)
+	require.NoError(t, err, "a refused Down leaves writes welcome")
+}
+
+// While Down drops the tables, writes fail on a constraint that says why. A Down stopped there
+// (killed, say) leaves the constraint: the next Up removes it, and so does a Down refused for rows
+// written before it.
+func TestUpRemovesTheFenceOfAStoppedDown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := open(t, pgtest.NewDatabase(t))
+	in := migrations.WithSchema("txbox")
+	_, err := migrations.Up(ctx, db, in)
+	require.NoError(t, err)
+	insert := func(uuid string) error {
+		_, err := db.Exec(`INSERT INTO txbox.txbox_outbox (kind, slot, topic, partition_key, uuid, payload) VALUES ('message', 0, 't', 'k', $1, '')`, uuid)
+		return err
+	}
+	fence := func() {
+		for _, table := range []string{"txbox_outbox", "txbox_dlq"} {
+			_, err := db.Exec(`ALTER TABLE txbox.` + table + ` ADD CONSTRAINT txbox_migrate_down_in_progress CHECK (false) NOT VALID`)
+			require.NoError(t, err)
+		}
+	}
+
+	fence() // as a Down stopped between its fence and the drop leaves it
+	require.ErrorContains(t, insert("u-1"), "txbox_migrate_down_in_progress")
+	_, err = migrations.Up(ctx, db, in)
+	require.NoError(t, err)
+	require.NoError(t, insert("u-1"), "Up removed the fence")
+
+	fence()
+	var notEmpty *migrations.NotEmptyError
+	_, err = migrations.Down(ctx, db, in)
+	require.ErrorAs(t, err, &notEmpty)
+	require.NoError(t, insert("u-2"), "the refused Down removed the fence")
 }
