@@ -47,6 +47,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/pressly/goose/v3"
 
 	"github.com/txbox/txbox/internal/sqlname"
@@ -132,7 +133,7 @@ func Up(ctx context.Context, db *sql.DB, opts ...Option) ([]*goose.MigrationResu
 	}
 	res, err := p.Up(ctx)
 	if err != nil {
-		return res, fmt.Errorf("migrations: up: %w", err)
+		return res, lock.explainLockWait(ctx, db, fmt.Errorf("migrations: up: %w", err))
 	}
 	// A Down that was stopped after it fenced writers off (schemaLock.fenceEmpty) left the fence:
 	// the schema is migrated up again, so writes are welcome again.
@@ -160,7 +161,7 @@ func Down(ctx context.Context, db *sql.DB, opts ...Option) ([]*goose.MigrationRe
 	}
 	res, err := p.DownTo(ctx, 0)
 	if err != nil {
-		err = fmt.Errorf("migrations: down: %w", err)
+		err = lock.explainLockWait(ctx, db, fmt.Errorf("migrations: down: %w", err))
 		if !o.force {
 			// Fenced, then failed: writers would go on failing for tables that stay.
 			err = errors.Join(err, lock.unfence(ctx, db))
@@ -231,7 +232,7 @@ func newProvider(ctx context.Context, db *sql.DB, m mode, opts []Option) (*goose
 		goose.WithAllowOutofOrder(true),
 		goose.WithSlog(slog.New(slog.DiscardHandler)),
 	}
-	p, err := goose.NewProvider(goose.DialectPostgres, db, inSchema{FS: FS, setSearchPath: []byte(q.setSearchPath + ";\n")}, append(base, o.goose...)...)
+	p, err := goose.NewProvider(goose.DialectPostgres, db, inSchema{FS: FS, preamble: []byte(q.preamble)}, append(base, o.goose...)...)
 	if err != nil {
 		return nil, nil, fmt.Errorf("migrations: %w", err)
 	}
@@ -403,6 +404,39 @@ func (l *schemaLock) fenceEmpty(ctx context.Context, db *sql.DB) error {
 	return nil
 }
 
+// explainLockWait adds to err, when a statement gave up waiting for a lock (lock_timeout, lockWait),
+// which sessions hold locks on the schema's tables, so that the operator can find what to end or
+// wait for: a session idle in a transaction, typically. Their queries are left out: they may
+// carry the application's data.
+func (l *schemaLock) explainLockWait(ctx context.Context, db *sql.DB, err error) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" { // lock_not_available
+		return err
+	}
+	rows, qerr := db.QueryContext(ctx, l.sql.lockHolders)
+	if qerr != nil {
+		return err
+	}
+	defer rows.Close()
+	var holders []string
+	for rows.Next() {
+		var (
+			pid         int64
+			state, app  string
+			xactSeconds int64
+		)
+		if rows.Scan(&pid, &state, &app, &xactSeconds) != nil {
+			return err
+		}
+		holders = append(holders, fmt.Sprintf("pid %d (%s, application %q, in its transaction for %ds)", pid, state, app, xactSeconds))
+	}
+	if len(holders) == 0 {
+		return fmt.Errorf("%w; a statement waited %s for a lock on a table of %s, and no session holds one now: run it again", err, lockWait, l.schema)
+	}
+	return fmt.Errorf("%w; a statement waited %s for a lock on a table of %s, which these sessions hold: %s; end them or let them finish, then run it again",
+		err, lockWait, l.schema, strings.Join(holders, ", "))
+}
+
 // rowsLeft counts the rows Down would drop: nil when there are none.
 func (l *schemaLock) rowsLeft(ctx context.Context, tx *sql.Tx) (*NotEmptyError, error) {
 	e := NotEmptyError{Schema: l.schema}
@@ -459,11 +493,12 @@ func (l *schemaLock) Unlock(context.Context, *sql.DB) error {
 }
 
 // inSchema is FS with every migration's Up and Down opening with SET LOCAL search_path to the
-// schema: the SQL files name tables unqualified, and goose runs each migration in a transaction of
-// its own, which through a transaction pooler is the only scope a setting is sure to have.
+// schema and SET LOCAL lock_timeout (lockWait): the SQL files name tables unqualified, and goose
+// runs each migration in a transaction of its own, which through a transaction pooler is the only
+// scope a setting is sure to have.
 type inSchema struct {
 	fs.FS
-	setSearchPath []byte
+	preamble []byte
 }
 
 func (s inSchema) Open(name string) (fs.File, error) {
@@ -485,7 +520,7 @@ func (s inSchema) Open(name string) (fs.File, error) {
 	for line := range bytes.Lines(src) {
 		out.Write(line)
 		if t := bytes.TrimSpace(line); bytes.Equal(t, []byte("-- +goose Up")) || bytes.Equal(t, []byte("-- +goose Down")) {
-			out.Write(s.setSearchPath)
+			out.Write(s.preamble)
 		}
 	}
 	return &sqlFile{Reader: bytes.NewReader(out.Bytes()), name: name, size: int64(out.Len())}, nil

@@ -455,3 +455,35 @@ func TestUpRemovesTheFenceOfAStoppedDown(t *testing.T) {
 	require.ErrorAs(t, err, &notEmpty)
 	require.NoError(t, insert("u-2"), "the refused Down removed the fence")
 }
+
+// A migration waits a bounded time for a lock a session holds on its table, since every write
+// to the table queues behind the waiting migration, and its error names the sessions that hold
+// locks. Before, an upgrade audit's migrate up waited for a session idle in a transaction for as
+// long as it lived (19 s), the producers' inserts queued behind it, printing nothing.
+func TestAMigrationWaitsABoundedTimeForALockAndNamesWhoHoldsIt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.NewDatabase(t)
+	db, reader := open(t, url), open(t, url)
+	in := migrations.WithSchema("txbox")
+	p, err := migrations.NewProvider(ctx, db, in)
+	require.NoError(t, err)
+	_, err = p.UpTo(ctx, 9) // 00010 alters txbox_outbox
+	require.NoError(t, err)
+
+	idle, err := reader.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer func() { _ = idle.Rollback() }()
+	var pid int
+	require.NoError(t, idle.QueryRow(`SELECT pg_backend_pid() FROM (SELECT count(*) FROM txbox.txbox_outbox) AS n`).Scan(&pid))
+
+	bounded, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	_, err = migrations.Up(bounded, db, in)
+	require.Error(t, err)
+	require.NoError(t, bounded.Err(), "Up gave up on the lock by itself")
+	require.ErrorContains(t, err, fmt.Sprintf("pid %d (idle in transaction", pid))
+	require.NoError(t, idle.Rollback())
+	_, err = migrations.Up(ctx, db, in)
+	require.NoError(t, err, "once the session has ended")
+}
