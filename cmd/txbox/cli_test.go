@@ -165,6 +165,11 @@ func TestUsageErrors(t *testing.T) {
 		// Connection and schema.
 		{args: []string{"status"}, env: map[string]string{"TXBOX_DATABASE_URL": ""}, want: []string{"--database-url / TXBOX_DATABASE_URL is required"}},
 		{args: []string{"status", "--database-url", "postgres://app:hunter2@db:notaport/app"}, want: []string{"--database-url / TXBOX_DATABASE_URL is not a valid PostgreSQL connection string"}},
+		// pgxpool's own settings, in spellings pgx's error text does not mask the password of.
+		{args: []string{"status"}, env: map[string]string{"TXBOX_DATABASE_URL": "host=127.0.0.1 user=app password = " + e.password + " pool_max_conns=abc"},
+			want: []string{`--database-url / TXBOX_DATABASE_URL is not a usable PostgreSQL connection string: cannot parse pool_max_conns (strconv.ParseInt: parsing "abc": invalid syntax)`}},
+		{args: []string{"migrate", "up"}, env: map[string]string{"TXBOX_DATABASE_URL": `host=127.0.0.1 user=app password=x\ ` + e.password + " pool_max_conns=0"},
+			want: []string{"--database-url / TXBOX_DATABASE_URL is not a usable PostgreSQL connection string: pool_max_conns too small"}},
 		{args: []string{"migrate", "up", "--schema", "information_schema"}, want: []string{"--schema / TXBOX_SCHEMA", "system schemas"}},
 		{args: []string{"migrate", "up", "--schema", "pg_catalog"}, want: []string{"--schema / TXBOX_SCHEMA", "system schemas"}},
 		{args: []string{"migrate", "up"}, env: map[string]string{"TXBOX_SCHEMA": "pg_toast"}, want: []string{"--schema / TXBOX_SCHEMA", "system schemas"}},

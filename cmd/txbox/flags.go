@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -368,8 +369,27 @@ func dsnValue(p *string) *value[string] {
 		if _, err := pgconn.ParseConfig(s); err != nil {
 			return "", errors.New("is not a valid PostgreSQL connection string (the value is not shown: it may hold a password)")
 		}
+		// The pool's own settings (pool_max_conns, ...) are read only by pgxpool: refused here, a
+		// bad one is a usage error like any other, reported without the string.
+		if _, err := pgxpool.ParseConfig(s); err != nil {
+			return "", fmt.Errorf("is not a usable PostgreSQL connection string: %s (the value is not shown: it may hold a password)", dsnProblem(err))
+		}
 		return s, nil
 	}}
+}
+
+// dsnProblem says why pgx refused a connection string, without the string. pgx's own message
+// quotes it with its password masked only as far as pgx can recognise the password: spellings it
+// does not (a keyword/value "password = secret", an escaped space in the value) were printed
+// whole. Only pgxpool's reason is kept: what it says of its own pool_* setting.
+func dsnProblem(err error) string {
+	var pce *pgconn.ParseConfigError
+	if !errors.As(err, &pce) {
+		return "pgx refused it"
+	}
+	c := *pce
+	c.ConnString = ""
+	return strings.TrimPrefix(c.Error(), "cannot parse ``: ")
 }
 
 // redactDSN shows where a connection string points, without its password.
