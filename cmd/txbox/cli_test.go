@@ -165,6 +165,9 @@ func TestUsageErrors(t *testing.T) {
 		// Connection and schema.
 		{args: []string{"status"}, env: map[string]string{"TXBOX_DATABASE_URL": ""}, want: []string{"--database-url / TXBOX_DATABASE_URL is required"}},
 		{args: []string{"status", "--database-url", "postgres://app:hunter2@db:notaport/app"}, want: []string{"--database-url / TXBOX_DATABASE_URL is not a valid PostgreSQL connection string"}},
+		{args: []string{"status", "--database-url", ""}, want: []string{"--database-url / TXBOX_DATABASE_URL must not be empty"}},
+		{args: []string{"dlq", "list", "--schema", ""}, want: []string{"--schema / TXBOX_SCHEMA must not be empty (leave it out for public)"}},
+		{args: []string{"migrate", "up", "--schema="}, want: []string{"--schema / TXBOX_SCHEMA must not be empty"}},
 		// pgxpool's own settings, in spellings pgx's error text does not mask the password of.
 		{args: []string{"status"}, env: map[string]string{"TXBOX_DATABASE_URL": "host=127.0.0.1 user=app password = " + e.password + " pool_max_conns=abc"},
 			want: []string{`--database-url / TXBOX_DATABASE_URL is not a usable PostgreSQL connection string: cannot parse pool_max_conns (strconv.ParseInt: parsing "abc": invalid syntax)`}},

@@ -308,6 +308,10 @@ func notBlank(s string) error {
 }
 
 func schemaName(s string) error {
+	if s == "" {
+		// sqlname takes "" for the default; given on the command line it is a mistake, not that.
+		return fmt.Errorf("must not be empty (leave it out for %s)", sqlname.DefaultSchema)
+	}
 	if _, err := sqlname.Schema(s); err != nil {
 		return fmt.Errorf("is not usable: %w", err)
 	}
@@ -366,6 +370,10 @@ func httpURL(s string) error {
 // their text is passed on.
 func dsnValue(p *string) *value[string] {
 	return &value[string]{p: p, typ: "string", show: func(string) string { return "" }, parse: func(s string) (string, error) {
+		if s == "" {
+			// pgx takes "" for libpq's defaults (a local socket, the OS user): never what was meant.
+			return "", errors.New("must not be empty")
+		}
 		if _, err := pgconn.ParseConfig(s); err != nil {
 			return "", errors.New("is not a valid PostgreSQL connection string (the value is not shown: it may hold a password)")
 		}
