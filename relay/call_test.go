@@ -606,6 +606,12 @@ func TestCallConfigValidation(t *testing.T) {
 			require.NotContains(t, err.Error(), strings.TrimSpace(c.APIKey), "the key is never quoted")
 		}
 	}
+	for _, u := range []string{"https://proxy:hunter2@stripe.internal", "https://proxy:hunter2@not a host"} {
+		_, err := relay.New(relay.Config{DB: b.env.Pool, Sink: b.sink, Schema: b.env.Schema,
+			Calls: &relay.CallConfig{APIKey: stripetest.TestKey, BaseURL: u}})
+		require.ErrorContains(t, err, "CallConfig.BaseURL must be an http(s) URL without a user name or password", u)
+		require.NotContains(t, err.Error(), "hunter2", "a password in the URL is never quoted")
+	}
 	_, err := relay.New(relay.Config{DB: b.env.Pool, Sink: b.sink, Schema: b.env.Schema,
 		Calls: &relay.CallConfig{APIKey: "rk_live_restricted"}})
 	require.NoError(t, err, "a restricted key")

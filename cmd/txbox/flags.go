@@ -358,6 +358,11 @@ func splitList(s string) []string {
 }
 
 func httpURL(s string) error {
+	// A user or password is refused, and a value that may hold one is not quoted: the relay would
+	// print it on its start line, and send none of it (the API key is the Authorization header).
+	if strings.Contains(s, "@") {
+		return errors.New("must be an http(s) URL without a user name or password (the value is not shown)")
+	}
 	u, err := url.Parse(s)
 	if err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Host == "" {
 		return fmt.Errorf("must be an http(s) URL, got %q", s)
