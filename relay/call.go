@@ -115,6 +115,10 @@ func (c CallConfig) resolve(leaseTTL time.Duration) (CallConfig, error) {
 	if c.BaseURL == "" {
 		c.BaseURL = DefaultStripeURL
 	}
+	if strings.Contains(c.BaseURL, "@") {
+		// A user or password would only be logged: stripe-go's Authorization header wins over it.
+		return c, errors.New("relay: CallConfig.BaseURL must be an http(s) URL without a user name or password (the value is not shown)")
+	}
 	if u, err := url.Parse(c.BaseURL); err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Host == "" {
 		return c, fmt.Errorf("relay: CallConfig.BaseURL %q is not an http(s) URL", c.BaseURL)
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"os/exec"
@@ -209,6 +210,18 @@ func (s *memSink) replies(key string) []relay.Message {
 		}
 	}
 	return out
+}
+
+// byUUID returns the message published with uuid, or nil.
+func (s *memSink) byUUID(uuid string) *message.Message {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, m := range s.msgs {
+		if m.Msg.UUID == uuid {
+			return m.Msg
+		}
+	}
+	return nil
 }
 
 func counterValue(t *testing.T, c prometheus.Collector) float64 {
@@ -520,6 +533,58 @@ func TestCallsOfOneKeyKeepTheirOrder(t *testing.T) {
 	require.True(t, secondDone.After(firstDone), "the second call waited for the first (%s, %s)", firstDone, secondDone)
 }
 
+// Whatever answers at the base URL may quote the API key (a proxy or a double echoing the
+// Authorization header; Stripe itself masks it): the key is masked in the log, in last_error, in
+// the stored result and in the reply, so it is never logged or stored.
+func TestAnAnswerQuotingTheAPIKeyIsNeitherLoggedNorStored(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	const apiKey = "sk_test_echoedBackByTheProxy0123456789"
+	var reject atomic.Bool // 401 until the test has seen last_error, then 400
+	echo := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		status, typ := http.StatusUnauthorized, "invalid_request_error"
+		if reject.Load() {
+			status = http.StatusBadRequest
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		_ = json.NewEncoder(w).Encode(map[string]any{"error": map[string]any{
+			"type": typ, "message": "no such thing for " + r.Header.Get("Authorization"),
+		}})
+	}))
+	t.Cleanup(echo.Close)
+
+	key := "pay-echo"
+	b.enqueue(t, chargeCall(key, 100))
+	var log proctest.Buffer
+	b.startCallRelay(t, func(c *relay.Config) {
+		c.Calls.APIKey, c.Calls.BaseURL = apiKey, echo.URL
+		c.Logger = slog.New(slog.NewTextHandler(&log, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	})
+
+	var lastError string
+	require.Eventually(t, func() bool {
+		err := b.env.Pool.QueryRow(context.Background(), `SELECT coalesce(last_error, '') FROM `+b.env.Q("txbox_outbox")+` WHERE kind = 'call'`).Scan(&lastError)
+		return err == nil && lastError != ""
+	}, 10*time.Second, 5*time.Millisecond, "the 401 is recorded")
+	require.Contains(t, lastError, "HTTP 401")
+	require.NotContains(t, lastError, apiKey)
+	require.Contains(t, lastError, "no such thing for Bearer [STRIPE_API_KEY]")
+
+	reject.Store(true)
+	res := b.waitResult(t, key)
+	require.Equal(t, outbox.OutcomeRejected, res.outcome)
+	require.NotContains(t, res.body, apiKey)
+	require.Eventually(t, func() bool { return b.sink.byUUID(outbox.RejectedReplyUUID(key)) != nil }, 10*time.Second, 10*time.Millisecond)
+	reply := b.sink.byUUID(outbox.RejectedReplyUUID(key))
+	require.NotContains(t, string(reply.Payload), apiKey)
+	got, err := outbox.ParseCallResult(reply)
+	require.NoError(t, err)
+	require.Equal(t, "no such thing for Bearer [STRIPE_API_KEY]", got.Error.Message)
+	require.Contains(t, log.String(), "HTTP 401", "the 401 was logged")
+	require.NotContains(t, log.String(), apiKey)
+}
+
 func TestCallConfigValidation(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
@@ -540,6 +605,12 @@ func TestCallConfigValidation(t *testing.T) {
 			require.ErrorContains(t, err, relay.APIKeyEnvVar)
 			require.NotContains(t, err.Error(), strings.TrimSpace(c.APIKey), "the key is never quoted")
 		}
+	}
+	for _, u := range []string{"https://proxy:hunter2@stripe.internal", "https://proxy:hunter2@not a host"} {
+		_, err := relay.New(relay.Config{DB: b.env.Pool, Sink: b.sink, Schema: b.env.Schema,
+			Calls: &relay.CallConfig{APIKey: stripetest.TestKey, BaseURL: u}})
+		require.ErrorContains(t, err, "CallConfig.BaseURL must be an http(s) URL without a user name or password", u)
+		require.NotContains(t, err.Error(), "hunter2", "a password in the URL is never quoted")
 	}
 	_, err := relay.New(relay.Config{DB: b.env.Pool, Sink: b.sink, Schema: b.env.Schema,
 		Calls: &relay.CallConfig{APIKey: "rk_live_restricted"}})

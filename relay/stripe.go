@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -150,6 +151,29 @@ func (s *stripeClient) send(ctx, leaseCtx context.Context, key string, req outbo
 	defer w.mu.Unlock()
 	v := classify(err, &obj, w, ctx, leaseCtx)
 	v.httpStatus = w.status
+	return s.withoutKey(v)
+}
+
+// keyMask stands for the API key wherever an answer quoted it.
+const keyMask = "[" + APIKeyEnvVar + "]"
+
+// withoutKey masks the API key in everything of v that is logged or stored: the detail (logs,
+// last_error, dead letters), the error message and the body (call results, replies). Stripe masks
+// a key it quotes ("sk_test_****1234"), but whatever answers at the base URL may not: a proxy or a
+// double that echoes the Authorization header put the key in the log and the database.
+func (s *stripeClient) withoutKey(v verdict) verdict {
+	if s.key == "" {
+		return v
+	}
+	v.detail = strings.ReplaceAll(v.detail, s.key, keyMask)
+	if e := v.result.Error; e != nil && strings.Contains(e.Message, s.key) {
+		masked := *e
+		masked.Message = strings.ReplaceAll(e.Message, s.key, keyMask)
+		v.result.Error = &masked
+	}
+	if bytes.Contains(v.body, []byte(s.key)) {
+		v.body = bytes.ReplaceAll(v.body, []byte(s.key), []byte(keyMask))
+	}
 	return v
 }
 

@@ -37,7 +37,9 @@ func (a *app) databaseFlags(cmd *cobra.Command) *database {
 func (d *database) open(ctx context.Context) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(d.dsn)
 	if err != nil {
-		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+		// dsnValue parsed it already; never print pgx's error, which quotes the string.
+		return nil, usagef("%s is not a usable PostgreSQL connection string: %s (the value is not shown: it may hold a password)",
+			refOf(d.cmd, "database-url"), dsnProblem(err))
 	}
 	if cfg.ConnConfig.RuntimeParams["application_name"] == "" {
 		cfg.ConnConfig.RuntimeParams["application_name"] = d.cmd.CommandPath()

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -307,6 +308,10 @@ func notBlank(s string) error {
 }
 
 func schemaName(s string) error {
+	if s == "" {
+		// sqlname takes "" for the default; given on the command line it is a mistake, not that.
+		return fmt.Errorf("must not be empty (leave it out for %s)", sqlname.DefaultSchema)
+	}
 	if _, err := sqlname.Schema(s); err != nil {
 		return fmt.Errorf("is not usable: %w", err)
 	}
@@ -353,6 +358,11 @@ func splitList(s string) []string {
 }
 
 func httpURL(s string) error {
+	// A user or password is refused, and a value that may hold one is not quoted: the relay would
+	// print it on its start line, and send none of it (the API key is the Authorization header).
+	if strings.Contains(s, "@") {
+		return errors.New("must be an http(s) URL without a user name or password (the value is not shown)")
+	}
 	u, err := url.Parse(s)
 	if err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Host == "" {
 		return fmt.Errorf("must be an http(s) URL, got %q", s)
@@ -365,11 +375,34 @@ func httpURL(s string) error {
 // their text is passed on.
 func dsnValue(p *string) *value[string] {
 	return &value[string]{p: p, typ: "string", show: func(string) string { return "" }, parse: func(s string) (string, error) {
+		if s == "" {
+			// pgx takes "" for libpq's defaults (a local socket, the OS user): never what was meant.
+			return "", errors.New("must not be empty")
+		}
 		if _, err := pgconn.ParseConfig(s); err != nil {
 			return "", errors.New("is not a valid PostgreSQL connection string (the value is not shown: it may hold a password)")
 		}
+		// The pool's own settings (pool_max_conns, ...) are read only by pgxpool: refused here, a
+		// bad one is a usage error like any other, reported without the string.
+		if _, err := pgxpool.ParseConfig(s); err != nil {
+			return "", fmt.Errorf("is not a usable PostgreSQL connection string: %s (the value is not shown: it may hold a password)", dsnProblem(err))
+		}
 		return s, nil
 	}}
+}
+
+// dsnProblem says why pgx refused a connection string, without the string. pgx's own message
+// quotes it with its password masked only as far as pgx can recognise the password: spellings it
+// does not (a keyword/value "password = secret", an escaped space in the value) were printed
+// whole. Only pgxpool's reason is kept: what it says of its own pool_* setting.
+func dsnProblem(err error) string {
+	var pce *pgconn.ParseConfigError
+	if !errors.As(err, &pce) {
+		return "pgx refused it"
+	}
+	c := *pce
+	c.ConnString = ""
+	return strings.TrimPrefix(c.Error(), "cannot parse ``: ")
 }
 
 // redactDSN shows where a connection string points, without its password.
