@@ -333,8 +333,8 @@ func (r *Relay) checkPrefix(ctx context.Context, tx pgx.Tx) error {
 		// to be its, as an upgrade that keeps the old one sets it (README, "Transactional IDs").
 		return fmt.Errorf("relay: running relay %q is of a version before migration 00012 and records no transactional-ID prefix, "+
 			"so this relay's producers (prefix %q, the outbox's default) might not fence its frozen transactions: stop the relays "+
-			"of the older version first, or give this relay the prefix they publish with (KafkaConfig.TransactionalIDPrefix, "+
-			"--transactional-id-prefix; that version's default is \"txbox\")", owner, prefix)
+			"of the older version first, or give this relay the prefix they publish with (KafkaConfig.TransactionalIDPrefix; "+
+			"that version's default is \"txbox\")", owner, prefix)
 	case err == nil:
 		return fmt.Errorf("relay: KafkaConfig.TransactionalIDPrefix is %q but running relay %q publishes with %q; "+
 			"the relays of one outbox must share it, or a frozen relay's open Kafka transaction is not fenced: use %q, or stop them first",
