@@ -299,14 +299,6 @@ func nonEmpty(s string) error {
 	return nil
 }
 
-// notBlank allows "" (the setting's default) but not a value of only spaces.
-func notBlank(s string) error {
-	if s != "" && strings.TrimSpace(s) == "" {
-		return errors.New("must not be blank")
-	}
-	return nil
-}
-
 func schemaName(s string) error {
 	if s == "" {
 		// sqlname takes "" for the default; given on the command line it is a mistake, not that.

@@ -50,7 +50,7 @@ func (a *app) relayCommand() *cobra.Command {
 	annotate(f, annField, "KafkaConfig.Brokers")
 	f = a.setting(fs, text(&s.owner, nonEmpty), "owner", "TXBOX_RELAY_OWNER", "unique name of this relay in the lease table (default host-pid-random)")
 	annotate(f, annField, "Config.Owner")
-	f = a.setting(fs, text(&s.txPrefix, notBlank), "transactional-id-prefix", "TXBOX_TRANSACTIONAL_ID_PREFIX",
+	f = a.setting(fs, text(&s.txPrefix, nonEmpty), "transactional-id-prefix", "TXBOX_TRANSACTIONAL_ID_PREFIX",
 		"prefix of each shard's Kafka transactional.id: the same for every relay of an outbox, unique per outbox on a cluster; default txbox-<the outbox's identity>, which is both")
 	annotate(f, annField, "KafkaConfig.TransactionalIDPrefix")
 	a.setting(fs, text(&s.metricsAddr, hostPort(true)), "metrics-addr", "TXBOX_METRICS_ADDR", "address serving /metrics and /readyz; empty disables both")
