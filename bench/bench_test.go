@@ -14,6 +14,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/kafkatest"
@@ -357,6 +359,13 @@ const idleWindow = 3 * time.Second
 // time per second of that idle interval: this process's (idle-cpu-ms/s: the pipeline's polling plus
 // the in-process Kafka's own idle cost, which both variants pay alike) and that of the PostgreSQL
 // backends answering the pipeline's polls (idle-db-cpu-ms/s).
+//
+// txbox-stages is txbox again with a span recorder as the relay's TracerProvider, to tell where the
+// time goes (p50 of each stage): from commit to the relay holding the row it read (p50-read-ms:
+// waiting for the relay's next look, the look, the read), the Kafka transaction that publishes it
+// (p50-kafka-ms: the relay's producer span), and from the transaction's commit to the consumer
+// (p50-deliver-ms). Recording spans costs the relay a few microseconds a message, so its total is
+// not txbox's figure.
 func BenchmarkLatency(b *testing.B) {
 	b.Run("watermill-forwarder", func(b *testing.B) {
 		o := newWatermillOutbox(b, newEnv(b))
@@ -372,9 +381,20 @@ func BenchmarkLatency(b *testing.B) {
 		topic := kafkatest.Topic(b)
 		measureLatency(b, o.env, o.publish(topic), topic)
 	})
+	b.Run("txbox-stages", func(b *testing.B) {
+		o := newTxboxOutbox(b, newEnv(b))
+		spans := tracetest.NewSpanRecorder()
+		tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+		_, stop := startRelay(b, o.env, kafkaSink(b, o.env, true), func(c *relay.Config) { c.TracerProvider = tp })
+		defer stop()
+		topic := kafkatest.Topic(b)
+		measureLatency(b, o.env, o.publish(topic), topic, spans)
+	})
 }
 
-func measureLatency(b *testing.B, env *txtest.Env, write func(pgx.Tx, []*message.Message) error, topic string) {
+// measureLatency measures write's commit → consumer latency; with spans (the relay's producer spans),
+// each stage's instead of the idle CPU (see BenchmarkLatency).
+func measureLatency(b *testing.B, env *txtest.Env, write func(pgx.Tx, []*message.Message) error, topic string, spans ...*tracetest.SpanRecorder) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	ch, err := kafkatest.NewSubscriber(b, "latency-"+env.Schema).Subscribe(ctx, topic)
@@ -430,6 +450,10 @@ func measureLatency(b *testing.B, env *txtest.Env, write func(pgx.Tx, []*message
 	}
 	mu.Unlock()
 	reportLatency(b, lat)
+	if len(spans) > 0 {
+		reportStages(b, spans[0], msgs, sent, received)
+		return
+	}
 
 	cancel() // the consumer's fetches are not the pipeline's
 	time.Sleep(time.Second)

@@ -30,7 +30,8 @@
 //   - Latency: commit → consumer receive at a steady 500 messages per second, p50 and p99, the relay
 //     with its defaults and the forwarder polling every 10ms; then, per second while the pipeline
 //     is idle, the CPU time of this process and of the PostgreSQL backends answering its polls.
-//     b.N counts messages.
+//     txbox-stages splits the relay's latency by its producer spans: commit → row read, the Kafka
+//     transaction, Kafka commit → consumer. b.N counts messages.
 //   - TestSoak (TXBOX_SOAK=1, skipped otherwise): the whole pipeline — writers in transactions of
 //     5 messages, the relay, Kafka, a Watermill router behind the inbox writing a business row —
 //     for TXBOX_SOAK_DURATION (default 10m) at TXBOX_SOAK_RATE messages/s (default 70 % of the

@@ -25,6 +25,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/txtest"
@@ -200,13 +202,17 @@ func kafkaSink(b testing.TB, env *txtest.Env, transactional bool) relay.Sink {
 
 // startRelay runs a relay with its defaults (16 shards, batches of 500, looks for new rows every
 // 1ms while they come). published counts the messages it has published and completed.
-func startRelay(b testing.TB, env *txtest.Env, sink relay.Sink) (published func() int, stop func()) {
+func startRelay(b testing.TB, env *txtest.Env, sink relay.Sink, configure ...func(*relay.Config)) (published func() int, stop func()) {
 	b.Helper()
 	reg := prometheus.NewRegistry()
-	r, err := relay.New(relay.Config{
+	cfg := relay.Config{
 		DB: env.Pool, Sink: sink, Schema: env.Schema,
 		Logger: quietLogger(b), Registerer: reg,
-	})
+	}
+	for _, c := range configure {
+		c(&cfg)
+	}
+	r, err := relay.New(cfg)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -491,9 +497,41 @@ func percentile(sorted []time.Duration, q float64) time.Duration {
 	return sorted[max(i, 0)]
 }
 
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
 func reportLatency(b *testing.B, lat []time.Duration) {
 	slices.Sort(lat)
-	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 	b.ReportMetric(ms(percentile(lat, 0.50)), "p50-ms")
 	b.ReportMetric(ms(percentile(lat, 0.99)), "p99-ms")
+}
+
+// reportStages reports the median of each stage of msgs' way (see BenchmarkLatency), from the
+// relay's producer span of each message: it starts once the relay holds the row it read and ends
+// once the Kafka transaction that published it committed.
+func reportStages(b *testing.B, spans *tracetest.SpanRecorder, msgs []*message.Message, sent []time.Time, received map[string]time.Time) {
+	byUUID := map[string]sdktrace.ReadOnlySpan{}
+	for _, s := range spans.Ended() {
+		for _, a := range s.Attributes() {
+			if a.Key == "messaging.message.id" {
+				byUUID[a.Value.AsString()] = s
+			}
+		}
+	}
+	var read, kafka, deliver []time.Duration
+	for i, m := range msgs {
+		s, ok := byUUID[m.UUID]
+		if !ok {
+			b.Fatalf("no producer span for message %s", m.UUID)
+		}
+		read = append(read, s.StartTime().Sub(sent[i]))
+		kafka = append(kafka, s.EndTime().Sub(s.StartTime()))
+		deliver = append(deliver, received[m.UUID].Sub(s.EndTime()))
+	}
+	for _, stage := range []struct {
+		unit string
+		d    []time.Duration
+	}{{"p50-read-ms", read}, {"p50-kafka-ms", kafka}, {"p50-deliver-ms", deliver}} {
+		slices.Sort(stage.d)
+		b.ReportMetric(ms(percentile(stage.d, 0.50)), stage.unit)
+	}
 }
