@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"reflect"
 	"strconv"
 	"strings"
 	"testing"
@@ -251,5 +252,31 @@ func TestTheGaugesQueryIsBoundedByItsLimits(t *testing.T) {
 	}
 	if age < oldest-1 || age > oldest+1 {
 		t.Errorf("oldest pending %.1f s old; want %.1f", age, oldest)
+	}
+}
+
+// Every statement of every shard layout is one PostgreSQL accepts. A read over a shard of one
+// slot (256 shards, and a shard the look woke for one slot) was "(... ORDER BY o.id LIMIT $2)
+// ORDER BY id LIMIT $2", which PostgreSQL refuses: a relay with --shards 256 read nothing, ever.
+func TestEveryLayoutsStatementsAreValid(t *testing.T) {
+	t.Parallel()
+	env := txtest.New(t)
+	schema, err := sqlname.Schema(env.Schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	conn, err := env.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	for shards := 1; shards <= outbox.Slots; shards *= 2 {
+		q := reflect.ValueOf(renderQueries(schema, outbox.Slots/shards))
+		for i := range q.NumField() {
+			if _, err := conn.Conn().Prepare(ctx, "", q.Field(i).String()); err != nil {
+				t.Errorf("%d shards: %s: %v", shards, q.Type().Field(i).Name, err)
+			}
+		}
 	}
 }

@@ -234,7 +234,13 @@ const messageDue = `o.next_attempt_at <= now()
 func bySlot(read string, slots int) string {
 	parts := make([]string, slots)
 	for i := range parts {
-		parts[i] = "(" + strings.ReplaceAll(read, "{slot}", fmt.Sprintf("($1::smallint[])[%d]", i+1)) + "\n\t\t\tORDER BY o.id LIMIT $2)"
+		parts[i] = strings.ReplaceAll(read, "{slot}", fmt.Sprintf("($1::smallint[])[%d]", i+1)) + "\n\t\t\tORDER BY o.id LIMIT $2"
+	}
+	if slots == 1 {
+		return parts[0] // A query of its own: UNION ALL's parentheses would make two ORDER BYs.
+	}
+	for i := range parts {
+		parts[i] = "(" + parts[i] + ")"
 	}
 	return strings.Join(parts, "\nUNION ALL ") + "\nORDER BY id LIMIT $2"
 }
