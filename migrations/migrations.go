@@ -163,8 +163,10 @@ func Down(ctx context.Context, db *sql.DB, opts ...Option) ([]*goose.MigrationRe
 	if err != nil {
 		err = lock.explainLockWait(ctx, db, fmt.Errorf("migrations: down: %w", err))
 		if !o.force {
-			// Fenced, then failed: writers would go on failing for tables that stay.
-			err = errors.Join(err, lock.unfence(ctx, db))
+			// Fenced, then failed: writers would go on failing for tables that stay. Removed even
+			// when ctx is what stopped Down (an operator's Ctrl-C while a migration waited for a
+			// lock, say): the removal waits at most lockWait itself.
+			err = errors.Join(err, lock.unfence(context.WithoutCancel(ctx), db))
 		}
 		return res, err
 	}
@@ -449,8 +451,15 @@ func (l *schemaLock) rowsLeft(ctx context.Context, tx *sql.Tx) (*NotEmptyError, 
 	return nil, nil
 }
 
-// unfence removes the fence of fenceEmpty, if there is one.
+// unfence removes the fence of fenceEmpty, if there is one. An error says that the fence stays.
 func (l *schemaLock) unfence(ctx context.Context, db *sql.DB) error {
+	if err := l.unfenceOnce(ctx, db); err != nil {
+		return fmt.Errorf("%w; writes to %s's outbox and dead letters fail on %s until it is removed: migrate up removes it", err, l.schema, downFence)
+	}
+	return nil
+}
+
+func (l *schemaLock) unfenceOnce(ctx context.Context, db *sql.DB) error {
 	var fenced bool
 	if err := db.QueryRowContext(ctx, l.sql.fenced).Scan(&fenced); err != nil {
 		return fmt.Errorf("migrations: look for a fence: %w", err)
@@ -463,7 +472,7 @@ func (l *schemaLock) unfence(ctx context.Context, db *sql.DB) error {
 		return fmt.Errorf("migrations: remove the fence: %w", err)
 	}
 	if err := l.unfenceIn(ctx, tx); err != nil {
-		return errors.Join(err, tx.Rollback())
+		return errors.Join(l.explainLockWait(ctx, db, err), tx.Rollback())
 	}
 	if err := tx.Commit(); err != nil {
 		return fmt.Errorf("migrations: remove the fence: %w", err)
@@ -471,7 +480,14 @@ func (l *schemaLock) unfence(ctx context.Context, db *sql.DB) error {
 	return nil
 }
 
+// unfenceIn drops the fence in tx, waiting at most lockWait for the tables' locks: a session that
+// locked them after the fence went up (one idle in a transaction that read the outbox, say) would
+// otherwise hold the removal, and every write and read of the outbox queued behind it, as long as
+// it lives.
 func (l *schemaLock) unfenceIn(ctx context.Context, tx *sql.Tx) error {
+	if _, err := tx.ExecContext(ctx, fenceLockTimeoutSQL); err != nil {
+		return fmt.Errorf("migrations: remove the fence %s of %s: %w", downFence, l.schema, err)
+	}
 	for _, stmt := range l.sql.unfence {
 		if _, err := tx.ExecContext(ctx, stmt); err != nil {
 			return fmt.Errorf("migrations: remove the fence %s of %s: %w", downFence, l.schema, err)

@@ -487,3 +487,75 @@ func TestAMigrationWaitsABoundedTimeForALockAndNamesWhoHoldsIt(t *testing.T) {
 	_, err = migrations.Up(ctx, db, in)
 	require.NoError(t, err, "once the session has ended")
 }
+
+// fencedWhileWaiting starts Down beside a session that holds a lock on txbox_relay_node (which the
+// first migration Down rolls back alters) and returns once Down has fenced the outbox and waits for
+// that lock, with the holding session and Down's result.
+func fencedWhileWaiting(t *testing.T, ctx context.Context, url string) (holder *sql.Tx, down <-chan error) {
+	t.Helper()
+	db, other := open(t, url), open(t, url)
+	in := migrations.WithSchema("txbox")
+	_, err := migrations.Up(context.Background(), db, in)
+	require.NoError(t, err)
+	holder, err = other.BeginTx(context.Background(), nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback() })
+	_, err = holder.Exec(`SELECT count(*) FROM txbox.txbox_relay_node`)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() {
+		_, err := migrations.Down(ctx, db, in)
+		done <- err
+	}()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		require.NoError(t, other.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted AND relation = 'txbox.txbox_relay_node'::regclass)`).Scan(&waiting))
+		return waiting
+	}, time.Minute, 10*time.Millisecond, "Down fenced the outbox and waits for the holder's lock")
+	return holder, done
+}
+
+func insertOutboxRow(db *sql.DB, uuid string) error {
+	_, err := db.Exec(`INSERT INTO txbox.txbox_outbox (kind, slot, topic, partition_key, uuid, payload) VALUES ('message', 0, 't', 'k', $1, '')`, uuid)
+	return err
+}
+
+// A Down stopped through its context (txbox migrate down's Ctrl-C or SIGTERM) while a migration
+// waits for a lock has dropped nothing: it removes its fence all the same. Before, the removal ran
+// on the cancelled context and failed, and every write to the outbox failed on the fence until
+// someone ran migrate up.
+func TestADownStoppedWhileItWaitsForALockRemovesItsFence(t *testing.T) {
+	t.Parallel()
+	url := pgtest.NewDatabase(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	_, down := fencedWhileWaiting(t, ctx, url)
+	writer := open(t, url)
+	require.ErrorContains(t, insertOutboxRow(writer, "u-1"), "txbox_migrate_down_in_progress", "Down is under way")
+	cancel()
+	require.ErrorIs(t, <-down, context.Canceled)
+	require.NoError(t, insertOutboxRow(writer, "u-2"), "the stopped Down removed its fence")
+}
+
+// Down's removal of its fence after a failed migration waits a bounded time for the outbox's lock
+// too: a session that read the outbox after the fence went up, and sits in its transaction, would
+// otherwise hold Down (and every write and read of the outbox, queued behind the removal) for as
+// long as it lives. The error says that the fence stays and what removes it.
+func TestADownThatFailsRemovesItsFenceWithinABoundedWait(t *testing.T) {
+	t.Parallel()
+	url := pgtest.NewDatabase(t)
+	bounded, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	holder, down := fencedWhileWaiting(t, bounded, url)
+	_, err := holder.Exec(`SELECT count(*) FROM txbox.txbox_outbox`)
+	require.NoError(t, err, "the fence is committed: reads go on")
+	err = <-down
+	require.NoError(t, bounded.Err(), "Down gave up by itself")
+	require.ErrorContains(t, err, "lock timeout")
+	require.ErrorContains(t, err, "migrate up removes it")
+	require.NoError(t, holder.Rollback())
+	db := open(t, url)
+	_, err = migrations.Up(context.Background(), db, migrations.WithSchema("txbox"))
+	require.NoError(t, err)
+	require.NoError(t, insertOutboxRow(db, "u-1"), "Up removed the fence")
+}

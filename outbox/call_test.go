@@ -2,12 +2,14 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"net/url"
 	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -218,6 +220,44 @@ func TestASecondCallOfTheSameNameInOneTransactionIsRefused(t *testing.T) {
 	again, err := b.write(t, ctx, false, charge("charge"))
 	require.NoError(t, err, "the same name in the next transaction")
 	require.Equal(t, first, again)
+}
+
+// hookedTx is a database/sql transaction wrapper of the kind a service may pass to FromSQL by
+// value: its func field makes it uncomparable, though FromSQL's own type is comparable.
+type hookedTx struct {
+	tx     *sql.Tx
+	onExec func(query string)
+}
+
+func (h hookedTx) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	h.onExec(query)
+	return h.tx.ExecContext(ctx, query, args...)
+}
+
+// The duplicate-name check compares the Execers of two calls; one that holds an uncomparable value
+// (FromSQL of a struct with a func field) must not make the second call panic. Such an Execer has
+// no identity, so its calls are not checked.
+func TestCallsThroughAnUncomparableSQLExecerDoNotPanic(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	db := stdlib.OpenDBFromPool(b.env.Pool)
+	t.Cleanup(func() { _ = db.Close() })
+	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: "msg-1"})
+
+	tx, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback() }()
+	execs := 0
+	h := hookedTx{tx: tx, onExec: func(string) { execs++ }}
+	require.NotPanics(t, func() {
+		_, err = b.w.Call(ctx, outbox.FromSQL(h), charge("charge"))
+		require.NoError(t, err)
+		_, err = b.w.Call(ctx, outbox.FromSQL(h), charge("refund"))
+		require.NoError(t, err)
+	})
+	require.NoError(t, tx.Commit())
+	require.Equal(t, 2, execs)
+	require.Equal(t, 2, b.rows(t))
 }
 
 func TestCallRejectsWhatCannotBeExecuted(t *testing.T) {

@@ -305,7 +305,9 @@ func (v *sourceValue) wrote(tx Execer, name string) {
 	defer v.mu.Unlock()
 	if !v.sameTx(tx) {
 		v.tx, v.names = tx, map[string]bool{}
-		if !reflect.TypeOf(tx).Comparable() {
+		// The value, not its type: a comparable type such as FromSQL's may hold, in an interface,
+		// a value whose comparison panics (a struct of the caller's with a func field, say).
+		if !reflect.ValueOf(tx).Comparable() {
 			// Without identity, no call can be told to be in the same transaction: none is refused.
 			v.tx = nil
 			return
@@ -314,8 +316,9 @@ func (v *sourceValue) wrote(tx Execer, name string) {
 	v.names[name] = true
 }
 
-// sameTx compares identities only when v.tx is set, which it is only for a comparable type, so the
-// comparison cannot panic.
+// sameTx compares identities only when v.tx is set, which it is only for a comparable value, so the
+// comparison cannot panic: a tx of v.tx's dynamic type holds, wherever its comparison goes, values
+// of types v.tx showed to be comparable, or of other types, which compare unequal.
 func (v *sourceValue) sameTx(tx Execer) bool {
 	return v.tx != nil && v.tx == tx
 }
