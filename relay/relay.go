@@ -710,6 +710,7 @@ func (r *Relay) start(ctx context.Context, l *lease, lost chan<- *lease) {
 	l.done = make(chan struct{})
 	l.forgotten = make(chan struct{})
 	l.wake = make(chan struct{}, 1)
+	l.dueSlot.Store(noSlot)
 	// The worker's context is cancelled only when the lease is lost; a graceful stop lets the batch
 	// in flight finish first.
 	l.ctx, l.cancel = context.WithCancel(context.WithoutCancel(ctx))

@@ -190,6 +190,9 @@ func TestReadsAreBoundedByTheBatch(t *testing.T) {
 		args  func(shard int) []any
 	}{
 		{"read messages", q.readMessages, batch, func(shard int) []any { return []any{slotsOf(shard, scanShards), batch, DefaultBatchBytes} }},
+		{"read one slot's messages", q.readSlotMessages, batch, func(shard int) []any {
+			return []any{slotsOf(shard, scanShards)[:1], batch, DefaultBatchBytes}
+		}},
 		{"read calls", q.readCalls, DefaultCallBatchSize, func(shard int) []any {
 			return []any{slotsOf(shard, scanShards), DefaultCallBatchSize}
 		}},

@@ -31,7 +31,7 @@ type queries struct {
 	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
 	identity, heartbeat, liveOtherPrefix, forgetNode, liveNodes, pruneNodes, nextExpiry,
 	acquire, renew, release, checkLease,
-	readMessages, dueSlots, dueSlotsOrBalance, refuseMessage, deleteRows, buryRow, completeMessages, stats string
+	readMessages, readSlotMessages, dueSlots, dueSlotsOrBalance, refuseMessage, deleteRows, buryRow, completeMessages, stats string
 
 	readCalls, startCall, rescheduleCall, insertCallResult string
 }
@@ -100,24 +100,11 @@ func renderQueries(schema string, slots int) queries {
 		// before (the token differs: no row) or waits until this transaction ends.
 		checkLease: r(`SELECT 1 FROM {schema}.txbox_lease WHERE shard = $1 AND token = $2 FOR UPDATE`),
 
-		// Pending means present: a row that commits late is read whenever it becomes visible. At
-		// most $2 rows, and only as many as fit in $3 bytes of payload and metadata, but always
-		// the first: a message larger than $3 goes alone. When $3 cuts the batch, the first row
-		// left out ends it, flagged "over" and without its payload and metadata, so the relay
-		// knows more rows are due. The cut is made on the rows read, so the read stays at $2
-		// rows, and the running sum streams: nothing is held back to count.
-		readMessages: r(`SELECT tid, id, topic, partition_key, uuid, CASE WHEN over THEN ''::bytea ELSE payload END,
-				CASE WHEN over THEN '' ELSE metadata END, attempts, over
-			FROM (SELECT b.*, b.n > 1 AND b.bytes > $3 AS over
-				FROM (SELECT m.*, row_number() OVER w AS n, sum(m.size) OVER w AS bytes
-					FROM (` + bySlot(`SELECT o.ctid AS tid, o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text AS metadata, o.attempts,
-							octet_length(o.payload) + octet_length(o.metadata::text) AS size
-						FROM {schema}.txbox_outbox AS o
-						WHERE o.kind = 'message' AND o.slot = {slot} AND `+messageDue, slots) + `) AS m
-					WINDOW w AS (ORDER BY m.id)) AS b
-				WHERE b.n = 1 OR b.bytes - b.size <= $3) AS c
-			ORDER BY id`),
-		dueSlots: r(dueSlotsSQL),
+		readMessages: r(readMessagesSQL(slots)),
+		// The same read of one slot ($1 has one element), for a shard the look woke for one of its
+		// slots (lease.next).
+		readSlotMessages: r(readMessagesSQL(1)),
+		dueSlots:         r(dueSlotsSQL),
 		dueSlotsOrBalance: r(dueSlotsSQL + `
 			UNION ALL
 			SELECT -1 WHERE EXISTS (SELECT 1 FROM {schema}.txbox_lease WHERE shards = $2 AND expires_at <= now())
@@ -202,6 +189,28 @@ func renderQueries(schema string, slots int) queries {
 				duration_ms = excluded.duration_ms, completed_at = now()
 			WHERE c.outcome = 'rejected'`),
 	}
+}
+
+// readMessagesSQL reads the messages of the slots $1, which has slots elements.
+//
+// Pending means present: a row that commits late is read whenever it becomes visible. At
+// most $2 rows, and only as many as fit in $3 bytes of payload and metadata, but always
+// the first: a message larger than $3 goes alone. When $3 cuts the batch, the first row
+// left out ends it, flagged "over" and without its payload and metadata, so the relay
+// knows more rows are due. The cut is made on the rows read, so the read stays at $2
+// rows, and the running sum streams: nothing is held back to count.
+func readMessagesSQL(slots int) string {
+	return `SELECT tid, id, topic, partition_key, uuid, CASE WHEN over THEN ''::bytea ELSE payload END,
+				CASE WHEN over THEN '' ELSE metadata END, attempts, over
+			FROM (SELECT b.*, b.n > 1 AND b.bytes > $3 AS over
+				FROM (SELECT m.*, row_number() OVER w AS n, sum(m.size) OVER w AS bytes
+					FROM (` + bySlot(`SELECT o.ctid AS tid, o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text AS metadata, o.attempts,
+							octet_length(o.payload) + octet_length(o.metadata::text) AS size
+						FROM {schema}.txbox_outbox AS o
+						WHERE o.kind = 'message' AND o.slot = {slot} AND `+messageDue, slots) + `) AS m
+					WINDOW w AS (ORDER BY m.id)) AS b
+				WHERE b.n = 1 OR b.bytes - b.size <= $3) AS c
+			ORDER BY id`
 }
 
 // dueSlotsSQL finds which of the slots $1 have a message readMessages would return: one look into

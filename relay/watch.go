@@ -79,7 +79,7 @@ func (r *Relay) look(ctx context.Context) bool {
 		}
 		return false
 	}
-	found := false
+	dueIn := map[*lease][]int16{}
 	for _, s := range due {
 		if s < 0 {
 			select {
@@ -88,11 +88,22 @@ func (r *Relay) look(ctx context.Context) bool {
 			}
 			continue
 		}
-		parked[int(s)%r.cfg.Shards].wakeUp()
-		found = true
+		l := parked[int(s)%r.cfg.Shards]
+		dueIn[l] = append(dueIn[l], s)
 	}
-	return found
+	for l, slots := range dueIn {
+		if len(slots) == 1 {
+			l.dueSlot.Store(int32(slots[0]))
+		} else {
+			l.dueSlot.Store(noSlot)
+		}
+		l.wakeUp()
+	}
+	return len(dueIn) > 0
 }
+
+// noSlot is lease.dueSlot's "no one slot".
+const noSlot = -1
 
 // balanceProbeEvery is how often the looks also ask whether the leases call for a balance: a few
 // times a second, so that a free lease that cannot be taken right now (its row locked by a frozen
