@@ -626,7 +626,10 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 	r.mu.Unlock()
 	switch {
 	case n < fair:
-		var got []*lease
+		var (
+			got     []*lease
+			missing int
+		)
 		err := r.bounded(round, func(tx pgx.Tx) error {
 			rows, err := tx.Query(round, r.sql.acquire, r.cfg.Owner, ttl, r.cfg.Shards, fair-n)
 			if err != nil {
@@ -636,7 +639,10 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 				l := &lease{}
 				return l, row.Scan(&l.shard, &l.token)
 			})
-			return err
+			if err != nil || len(got) == fair-n {
+				return err
+			}
+			return tx.QueryRow(round, r.sql.missingLeases, r.cfg.Shards).Scan(&missing)
 		})
 		if err != nil {
 			r.logDB("acquire leases", err)
@@ -644,6 +650,16 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 		}
 		for _, l := range got {
 			r.start(ctx, l, lost)
+		}
+		if missing > 0 {
+			// The lease table was made again (txbox migrate down and up) or rows were deleted:
+			// without them no relay would ever hold those shards again, their rows left unpublished.
+			r.log.Warn("the lease table lacks leases of this layout; making them again", "missing", missing, "shards", r.cfg.Shards)
+			if err := r.prepareLeases(round); err != nil {
+				r.log.Error("could not make the missing leases", "error", err)
+			} else {
+				next = 0 // Take them now.
+			}
 		}
 	case n > fair:
 		r.mu.Lock()

@@ -30,7 +30,7 @@ const genericPlans = "force_generic_plan"
 type queries struct {
 	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
 	identity, heartbeat, liveOtherPrefix, forgetNode, liveNodes, pruneNodes, nextExpiry,
-	acquire, renew, release, checkLease,
+	acquire, missingLeases, renew, release, checkLease,
 	readMessages, readSlotMessages, dueSlots, dueSlotsOrBalance, refuseMessage, deleteRows, buryRow, completeMessages, stats string
 
 	readCalls, startCall, rescheduleCall, insertCallResult string
@@ -91,6 +91,9 @@ func renderQueries(schema string, slots int) queries {
 			WHERE shard IN (SELECT shard FROM {schema}.txbox_lease
 				WHERE shards = $3 AND expires_at <= now() ORDER BY shard LIMIT $4 FOR UPDATE SKIP LOCKED)
 			RETURNING shard, token`),
+		// How many leases of the layout $1 the table lacks: all of them after the tables were
+		// dropped and made again (txbox migrate down, then up) under a running relay.
+		missingLeases: r(`SELECT $1 - count(*) FROM {schema}.txbox_lease WHERE shards = $1`),
 		renew: r(`UPDATE {schema}.txbox_lease AS l SET expires_at = now() + $3 * interval '1 millisecond'
 			FROM unnest($1::int[], $2::bigint[]) AS h(shard, token)
 			WHERE l.shard = h.shard AND l.token = h.token
