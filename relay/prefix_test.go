@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -197,4 +198,31 @@ func TestARelayWaitsOutTheTransactionsOfAKilledRelayOfAnOlderVersion(t *testing.
 	r, _ = start("")
 	require.Eventually(t, func() bool { return len(r.Shards()) > 0 }, 30*time.Second, 10*time.Millisecond,
 		"once the broker has aborted the old relay's transactions, a relay with the default prefix starts")
+}
+
+// A relay of a version before migration 00012 that starts after this one checks nothing and joins
+// (an old pod restarting during a rollout): this relay says so, once, as an error naming it. Before,
+// nothing was logged, though their producers do not fence each other.
+func TestARelayLogsARelayOfAnOlderVersionThatJoinsIt(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	logs := &errorLog{}
+	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: kafkatest.Brokers(t)})
+	require.NoError(t, err)
+	r, err := relay.New(relay.Config{
+		DB: b.env.Pool, Sink: sink, Schema: b.env.Schema, Shards: 4, LeaseTTL: time.Second,
+		Logger: slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelError})),
+	})
+	require.NoError(t, err)
+	runUntilCleanup(t, context.Background(), r)
+	require.Eventually(t, func() bool { return len(r.Shards()) > 0 }, 30*time.Second, 10*time.Millisecond)
+
+	_, err = b.env.Pool.Exec(context.Background(), "INSERT INTO "+b.env.Q("txbox_relay_node")+
+		" (owner, expires_at) VALUES ('old-relay', now() + interval '1 hour')")
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), `relay=old-relay`) }, 30*time.Second, 20*time.Millisecond)
+	require.Contains(t, logs.String(), "another transactional-ID prefix")
+	require.Contains(t, logs.String(), "a version before migration 00012")
+	time.Sleep(2 * time.Second) // several balance rounds
+	require.Equal(t, 1, strings.Count(logs.String(), "relay=old-relay"), "said once")
 }

@@ -141,6 +141,9 @@ type Relay struct {
 	// prefix is the Kafka transactional IDs' prefix ("" without transactions), set by Run before
 	// anything else runs.
 	prefix string
+	// warnedOf is the last relay balance found publishing beside this one with another prefix
+	// (warnOtherPrefix), used by Run's goroutine only.
+	warnedOf string
 
 	mu      sync.Mutex
 	held    map[int]*lease
@@ -343,6 +346,43 @@ func (r *Relay) checkPrefix(ctx context.Context, tx pgx.Tx) error {
 		return fmt.Errorf("relay: check the transactional-ID prefix: %w", err)
 	}
 	r.prefix = prefix
+	return nil
+}
+
+// warnOtherPrefix logs an error, once per relay, when a live relay publishes beside this one with
+// another transactional-ID prefix. checkPrefix refuses to start beside one, but a relay that starts
+// later, an older version's above all (which checks nothing: a pod of the old version restarting
+// during a rollout), joins anyway: each takes its share of the shards, their producers do not
+// fence each other, and a frozen one can commit a batch another has published since, which the
+// inbox drops as a copy; killed, it leaves transactions that hold back read_committed consumers of
+// their partitions until the broker aborts them.
+func (r *Relay) warnOtherPrefix(ctx context.Context, tx pgx.Tx) error {
+	k, ok := r.cfg.Sink.(*KafkaSink)
+	if !ok || r.prefix == "" {
+		return nil
+	}
+	var (
+		owner, other string
+		alive        bool
+		waitMillis   int64
+	)
+	err := tx.QueryRow(ctx, r.sql.liveOtherPrefix, r.cfg.Owner, r.prefix, k.cfg.TransactionalIDPrefix != "",
+		k.transactionTimeout().Milliseconds()).Scan(&owner, &other, &alive, &waitMillis)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows) || err == nil && !alive:
+		r.warnedOf = ""
+		return nil
+	case err != nil:
+		return err
+	case owner == r.warnedOf:
+		return nil
+	}
+	r.warnedOf = owner
+	if other == "" {
+		other = "none recorded: a version before migration 00012"
+	}
+	r.log.Error("a relay publishing with another transactional-ID prefix runs beside this one: their Kafka producers do not fence each other; stop it, or run every relay of the outbox with one prefix",
+		"relay", owner, "its_prefix", other, "prefix", r.prefix)
 	return nil
 }
 
@@ -603,6 +643,9 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 			return err
 		}
 		if _, err := tx.Exec(round, r.sql.pruneNodes); err != nil {
+			return err
+		}
+		if err := r.warnOtherPrefix(round, tx); err != nil {
 			return err
 		}
 		if err := tx.QueryRow(round, r.sql.liveNodes).Scan(&live); err != nil {
