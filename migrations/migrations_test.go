@@ -400,16 +400,7 @@ func TestDownDropsNoRowCommittedWhileItRuns(t *testing.T) {
 	defer func() { _ = tx.Rollback() }()
 	_, err = tx.Exec(`INSERT INTO txbox.txbox_outbox (kind, slot, topic, partition_key, uuid, payload) VALUES ('message', 0, 't', 'k', 'u-1', '')`)
 	require.NoError(t, err)
-	done := make(chan error, 1)
-	go func() {
-		_, err := migrations.Down(ctx, db, in)
-		done <- err
-	}()
-	require.Eventually(t, func() bool {
-		var waiting bool
-		require.NoError(t, writer.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted AND relation = 'txbox.txbox_outbox'::regclass)`).Scan(&waiting))
-		return waiting
-	}, time.Minute, 10*time.Millisecond, "Down waits for the writer's transaction")
+	done := downWaitingFor(t, ctx, db, writer, "txbox_outbox", "Down waits for the writer's transaction")
 	require.NoError(t, tx.Commit())
 
 	var notEmpty *migrations.NotEmptyError
@@ -418,8 +409,7 @@ func TestDownDropsNoRowCommittedWhileItRuns(t *testing.T) {
 	var n int
 	require.NoError(t, db.QueryRow(`SELECT count(*) FROM txbox.txbox_outbox`).Scan(&n))
 	require.Equal(t, 1, n, "the row committed while Down ran is kept")
-	_, err = writer.Exec(`INSERT INTO txbox.txbox_outbox (kind, slot, topic, partition_key, uuid, payload) VALUES ('message', 0, 't', 'k', 'u-2', '')`)
-	require.NoError(t, err, "a refused Down leaves writes welcome")
+	require.NoError(t, insertOutboxRow(writer, "u-2"), "a refused Down leaves writes welcome")
 }
 
 // While Down drops the tables, writes fail on a constraint that says why. A Down stopped there
@@ -432,10 +422,7 @@ func TestUpRemovesTheFenceOfAStoppedDown(t *testing.T) {
 	in := migrations.WithSchema("txbox")
 	_, err := migrations.Up(ctx, db, in)
 	require.NoError(t, err)
-	insert := func(uuid string) error {
-		_, err := db.Exec(`INSERT INTO txbox.txbox_outbox (kind, slot, topic, partition_key, uuid, payload) VALUES ('message', 0, 't', 'k', $1, '')`, uuid)
-		return err
-	}
+	insert := func(uuid string) error { return insertOutboxRow(db, uuid) }
 	fence := func() {
 		for _, table := range []string{"txbox_outbox", "txbox_dlq"} {
 			_, err := db.Exec(`ALTER TABLE txbox.` + table + ` ADD CONSTRAINT txbox_migrate_down_in_progress CHECK (false) NOT VALID`)
@@ -502,17 +489,24 @@ func fencedWhileWaiting(t *testing.T, ctx context.Context, url string) (holder *
 	t.Cleanup(func() { _ = holder.Rollback() })
 	_, err = holder.Exec(`SELECT count(*) FROM txbox.txbox_relay_node`)
 	require.NoError(t, err)
+	return holder, downWaitingFor(t, ctx, db, other, "txbox_relay_node", "Down fenced the outbox and waits for the holder's lock")
+}
+
+// downWaitingFor starts Down of schema txbox on db and returns, with Down's result to come, once
+// a session waits for a lock on table (looked up through watcher, another pool).
+func downWaitingFor(t *testing.T, ctx context.Context, db, watcher *sql.DB, table, why string) <-chan error {
+	t.Helper()
 	done := make(chan error, 1)
 	go func() {
-		_, err := migrations.Down(ctx, db, in)
+		_, err := migrations.Down(ctx, db, migrations.WithSchema("txbox"))
 		done <- err
 	}()
 	require.Eventually(t, func() bool {
 		var waiting bool
-		require.NoError(t, other.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted AND relation = 'txbox.txbox_relay_node'::regclass)`).Scan(&waiting))
+		require.NoError(t, watcher.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted AND relation = $1::regclass)`, "txbox."+table).Scan(&waiting))
 		return waiting
-	}, time.Minute, 10*time.Millisecond, "Down fenced the outbox and waits for the holder's lock")
-	return holder, done
+	}, time.Minute, 10*time.Millisecond, why)
+	return done
 }
 
 func insertOutboxRow(db *sql.DB, uuid string) error {
