@@ -312,14 +312,8 @@ func (r *Relay) checkPrefix(ctx context.Context, tx pgx.Tx) error {
 	if err != nil {
 		return err
 	}
-	var (
-		owner, other string
-		alive        bool
-		waitMillis   int64
-	)
-	configured := k.cfg.TransactionalIDPrefix != ""
-	timeout := k.transactionTimeout()
-	err = tx.QueryRow(ctx, r.sql.liveOtherPrefix, r.cfg.Owner, prefix, configured, timeout.Milliseconds()).Scan(&owner, &other, &alive, &waitMillis)
+	o, err := r.otherPrefix(ctx, tx, k, prefix)
+	owner, other, alive, timeout := o.owner, o.prefix, o.alive, k.transactionTimeout()
 	switch {
 	case err == nil && other == "" && !alive:
 		// It died (kill -9, a crash) or froze: a transaction it had open holds back read_committed
@@ -330,7 +324,7 @@ func (r *Relay) checkPrefix(ctx context.Context, tx pgx.Tx) error {
 			"holds back read_committed consumers of its partitions until the broker aborts it, up to %v after it began, and "+
 			"this relay's producers (prefix %q, the outbox's default) would not abort it: start this relay in %v, or give it "+
 			"the prefix that relay published with (KafkaConfig.TransactionalIDPrefix; that version's default is \"txbox\"), "+
-			"whose producers abort it", owner, timeout, prefix, (time.Duration(waitMillis) * time.Millisecond).Round(time.Second))
+			"whose producers abort it", owner, timeout, prefix, o.wait.Round(time.Second))
 	case err == nil && other == "":
 		// Such a relay's prefix is "txbox" unless it was configured; a configured prefix is taken
 		// to be its, as an upgrade that keeps the old one sets it (README, "Transactional IDs").
@@ -361,29 +355,44 @@ func (r *Relay) warnOtherPrefix(ctx context.Context, tx pgx.Tx) error {
 	if !ok || r.prefix == "" {
 		return nil
 	}
-	var (
-		owner, other string
-		alive        bool
-		waitMillis   int64
-	)
-	err := tx.QueryRow(ctx, r.sql.liveOtherPrefix, r.cfg.Owner, r.prefix, k.cfg.TransactionalIDPrefix != "",
-		k.transactionTimeout().Milliseconds()).Scan(&owner, &other, &alive, &waitMillis)
+	o, err := r.otherPrefix(ctx, tx, k, r.prefix)
 	switch {
-	case errors.Is(err, pgx.ErrNoRows) || err == nil && !alive:
+	case errors.Is(err, pgx.ErrNoRows) || err == nil && !o.alive:
 		r.warnedOf = ""
 		return nil
 	case err != nil:
 		return err
-	case owner == r.warnedOf:
+	case o.owner == r.warnedOf:
 		return nil
 	}
-	r.warnedOf = owner
+	r.warnedOf = o.owner
+	other := o.prefix
 	if other == "" {
 		other = "none recorded: a version before migration 00012"
 	}
 	r.log.Error("a relay publishing with another transactional-ID prefix runs beside this one: their Kafka producers do not fence each other; stop it, or run every relay of the outbox with one prefix",
-		"relay", owner, "its_prefix", other, "prefix", r.prefix)
+		"relay", o.owner, "its_prefix", other, "prefix", r.prefix)
 	return nil
+}
+
+// otherRelay is a relay of the outbox that publishes with another transactional-ID prefix than
+// this one's, as liveOtherPrefix finds it.
+type otherRelay struct {
+	owner, prefix string // prefix is "" for a relay of a version before migration 00012
+	alive         bool   // its heartbeat has not run out
+	wait          time.Duration
+}
+
+// otherPrefix finds a relay publishing with another prefix than prefix (pgx.ErrNoRows: none).
+func (r *Relay) otherPrefix(ctx context.Context, tx pgx.Tx, k *KafkaSink, prefix string) (otherRelay, error) {
+	var (
+		o          otherRelay
+		waitMillis int64
+	)
+	err := tx.QueryRow(ctx, r.sql.liveOtherPrefix, r.cfg.Owner, prefix, k.cfg.TransactionalIDPrefix != "",
+		k.transactionTimeout().Milliseconds()).Scan(&o.owner, &o.prefix, &o.alive, &waitMillis)
+	o.wait = time.Duration(waitMillis) * time.Millisecond
+	return o, err
 }
 
 // awaitSink returns once the sink's broker answers (see Checker), or with ctx's error when ctx
