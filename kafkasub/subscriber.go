@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
+	"strings"
 	"sync"
 
 	"github.com/IBM/sarama"
@@ -12,30 +15,40 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// ErrTopicShared is Subscriber.Subscribe's error for a topic the subscriber already serves in its
-// consumer group.
+// ErrTopicShared is Subscriber.Subscribe's error for a topic that a subscriber of this process
+// already serves in the same consumer group of the same cluster.
 var ErrTopicShared = errors.New("kafkasub: the topic is already subscribed in this consumer group; give each handler a subscriber of its own, in a consumer group of its own")
 
-// Subscriber is watermill-kafka's subscriber, serving each topic to one subscription (one router
-// handler) at a time when it has a consumer group.
+// Subscriber is watermill-kafka's subscriber, serving each topic of its consumer group to one
+// subscription (one router handler) at a time in the process.
 //
 // Each Subscribe call of watermill-kafka's subscriber joins its consumer group as one more
 // member, and Kafka splits a topic's partitions among a group's members: two router handlers
-// given one subscriber would each receive only part of the topic, and commit the offsets of the
-// rest for the other, so each would miss the other's messages without an error. The inbox keeps
-// one memory per handler, so every handler needs every message: give each its own Subscriber in a
-// group of its own (for example "billing.debit" and "billing.email"). This one refuses the second
-// subscription instead, so the mistake stops the router at start-up.
+// subscribed in one group, through one subscriber or one each, would each receive only part of the
+// topic, and commit the offsets of the rest for the other, so each would miss the other's messages
+// without an error. The inbox keeps one memory per handler, so every handler needs every message:
+// give each its own Subscriber in a group of its own (for example "billing.debit" and
+// "billing.email"). Subscribers of this package refuse the second subscription instead, so the
+// mistake stops the router at start-up. Other processes in the group are its other instances, and
+// share the partitions as Kafka means them to.
 type Subscriber struct {
 	*kafka.Subscriber
-	group string
+	cluster, group string
 
 	mu     sync.Mutex
-	topics map[string]bool
+	topics map[string]bool // what this one holds in subscribed, released by Close
 }
 
+// subscribed holds the (cluster, group, topic) of every subscription of this process's
+// Subscribers: another one in the same group would split the topic's partitions with it.
+var subscribed = struct {
+	sync.Mutex
+	by map[[3]string]bool
+}{by: map[[3]string]bool{}}
+
 // NewSubscriber returns a watermill-kafka subscriber for cfg (see SubscriberConfig) that refuses a
-// second subscription to a topic in its consumer group. It reads with a copy of cfg's sarama
+// subscription to a topic that a subscriber of this process already serves in its consumer group.
+// It reads with a copy of cfg's sarama
 // configuration (watermill-kafka's default when cfg has none; cfg's own is left as it is) in which
 // the settings txbox's guarantees rest on are set as SaramaConfig sets them: isolation level
 // read_committed, a new group (or one whose committed offsets expired) starting at the oldest
@@ -46,7 +59,8 @@ func NewSubscriber(cfg kafka.SubscriberConfig, logger watermill.LoggerAdapter) (
 	if err != nil {
 		return nil, err
 	}
-	return &Subscriber{Subscriber: sub, group: cfg.ConsumerGroup, topics: map[string]bool{}}, nil
+	brokers := slices.Sorted(slices.Values(cfg.Brokers))
+	return &Subscriber{Subscriber: sub, cluster: strings.Join(brokers, ","), group: cfg.ConsumerGroup, topics: map[string]bool{}}, nil
 }
 
 // guaranteed returns a copy of sc, or of watermill-kafka's default when sc is nil, with the
@@ -79,19 +93,24 @@ func guaranteed(sc *sarama.Config, group bool) *sarama.Config {
 	return c
 }
 
-// Subscribe subscribes to topic until ctx is done. Its error wraps ErrTopicShared when the
-// subscriber already serves topic in a consumer group.
+// Subscribe subscribes to topic until ctx is done or the subscriber is closed. Its error wraps
+// ErrTopicShared when a subscriber of this process already serves topic in the same consumer group
+// of the same brokers.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	if s.group == "" {
 		return s.Subscriber.Subscribe(ctx, topic) // Without a group, every subscription reads every partition.
 	}
-	s.mu.Lock()
-	taken := s.topics[topic]
-	s.topics[topic] = true
-	s.mu.Unlock()
+	key := [3]string{s.cluster, s.group, topic}
+	subscribed.Lock()
+	taken := subscribed.by[key]
+	subscribed.by[key] = true
+	subscribed.Unlock()
 	if taken {
 		return nil, fmt.Errorf("%w (topic %q, consumer group %q)", ErrTopicShared, topic, s.group)
 	}
+	s.mu.Lock()
+	s.topics[topic] = true
+	s.mu.Unlock()
 	messages, err := s.Subscriber.Subscribe(ctx, topic)
 	if err != nil {
 		s.release(topic)
@@ -101,8 +120,29 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	return messages, nil
 }
 
+// Close closes the subscriber and ends its subscriptions, whose topics other subscribers of its
+// group may then take.
+func (s *Subscriber) Close() error {
+	err := s.Subscriber.Close()
+	s.mu.Lock()
+	topics := slices.Collect(maps.Keys(s.topics))
+	s.mu.Unlock()
+	for _, topic := range topics {
+		s.release(topic)
+	}
+	return err
+}
+
+// release gives up the subscriber's hold on topic, once: after a release by Close, the one its
+// context's end makes later must not free a subscription another subscriber has taken since.
 func (s *Subscriber) release(topic string) {
 	s.mu.Lock()
+	held := s.topics[topic]
 	delete(s.topics, topic)
 	s.mu.Unlock()
+	if held {
+		subscribed.Lock()
+		delete(subscribed.by, [3]string{s.cluster, s.group, topic})
+		subscribed.Unlock()
+	}
 }

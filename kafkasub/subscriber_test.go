@@ -65,15 +65,45 @@ func TestEveryHandlerOfATopicNeedsASubscriberOfItsOwn(t *testing.T) {
 		return len(seen["debit"]) == n && len(seen["email"]) == n
 	}, time.Minute, 20*time.Millisecond, "every handler receives every message")
 
+	// One subscriber for both handlers, or one each in the same group: either way the group's
+	// members would split the partitions.
 	shared := newSubscriber(group + ".shared")
-	router, err = message.NewRouter(message.RouterConfig{}, logger)
-	require.NoError(t, err)
-	for _, name := range []string{"debit", "email"} {
-		router.AddConsumerHandler(name, topic, shared, func(*message.Message) error { return nil })
+	for what, subscribers := range map[string][2]*kafkasub.Subscriber{
+		"one subscriber":           {shared, shared},
+		"a subscriber for each":    {newSubscriber(group + ".each"), newSubscriber(group + ".each")},
+		"the first router's group": {newSubscriber(group + ".debit"), newSubscriber(group + ".other")},
+	} {
+		router, err = message.NewRouter(message.RouterConfig{}, logger)
+		require.NoError(t, err)
+		for i, name := range []string{"debit", "email"} {
+			router.AddConsumerHandler(name, topic, subscribers[i], func(*message.Message) error { return nil })
+		}
+		sharedCtx, stop := context.WithTimeout(context.Background(), time.Minute)
+		require.ErrorIs(t, router.Run(sharedCtx), kafkasub.ErrTopicShared, what)
+		stop()
 	}
-	sharedCtx, stop := context.WithTimeout(context.Background(), time.Minute)
-	defer stop()
-	require.ErrorIs(t, router.Run(sharedCtx), kafkasub.ErrTopicShared)
+}
+
+// A subscriber that is closed gives its topics up: a consumer made again in the same process (a
+// restart of its router) subscribes in the same group.
+func TestAClosedSubscriberGivesItsTopicUp(t *testing.T) {
+	t.Parallel()
+	brokers, topic := kafkatest.Brokers(t), kafkatest.Topic(t)
+	cfg := kafkatest.SubscriberConfig(brokers, "billing-"+watermill.NewShortUUID())
+	first, err := kafkasub.NewSubscriber(cfg, watermill.NopLogger{})
+	require.NoError(t, err)
+	_, err = first.Subscribe(context.Background(), topic) // A context that never ends.
+	require.NoError(t, err)
+	second, err := kafkasub.NewSubscriber(cfg, watermill.NopLogger{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = second.Close() })
+	_, err = second.Subscribe(context.Background(), topic)
+	require.ErrorIs(t, err, kafkasub.ErrTopicShared, "while the first is open")
+	require.NoError(t, first.Close())
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	_, err = second.Subscribe(ctx, topic)
+	require.NoError(t, err, "once the first is closed")
 }
 
 // A subscriber built from a configuration that carries none of txbox's consumer settings (here
