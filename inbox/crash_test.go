@@ -158,3 +158,54 @@ func testACrashIsChargedToTheMessageThatCausedIt(t *testing.T, afterDuplicate bo
 	require.Equal(t, int64(3), poisonRuns.Load(), "the poison crashed its process once per attempt")
 	require.Zero(t, b.count(t, "txbox_inbox_attempt", ""), "both counters are settled")
 }
+
+// Two messages that each crash their process every time, once the other is in flight or waiting to
+// run alone: a suspect waiting to run alone while the other runs alone and crashes was not in
+// flight for that crash, and is not charged for it. Each is dead-lettered after its own crashes,
+// exactly MaxAttempts attempts.
+func TestACrashWhileASuspectWaitsToRunAloneIsNotChargedToIt(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil) // MaxAttempts: 3
+	poisons := [2]*message.Message{newMessage(), newMessage()}
+	settled := func() bool {
+		return b.count(t, "txbox_dlq", "uuid IN ($1, $2)", poisons[0].UUID, poisons[1].UUID) == 2
+	}
+	for run := 0; run < 10 && !settled(); run++ {
+		p := &process{dead: make(chan struct{})}
+		ib, err := inbox.New(inbox.Config{DB: mortalDB{b.env.Pool, p}, Consumer: "billing", Schema: b.env.Schema, MaxAttempts: 3, StatsInterval: -1}, nil)
+		require.NoError(t, err)
+		var in, waits, done [2]chan struct{}
+		for i := range 2 {
+			in[i], waits[i], done[i] = make(chan struct{}), make(chan struct{}), make(chan struct{})
+		}
+		h := ib.Middleware(b.handler(func(msg *message.Message) error {
+			i := 0
+			if msg.UUID == poisons[1].UUID {
+				i = 1
+			}
+			close(in[i])
+			select {
+			case <-in[1-i]:
+			case <-waits[1-i]:
+			case <-done[1-i]:
+			}
+			p.crash()
+			panic(errCrash)
+		}))
+		for i, msg := range poisons {
+			var once sync.Once
+			ctx := failpoint.WithHook(context.Background(), "inbox.before-run-alone", func() { once.Do(func() { close(waits[i]) }) })
+			go func() {
+				defer close(done[i])
+				defer func() { _ = recover() }()
+				_ = deliverCtx(ctx, h, msg)
+			}()
+		}
+		<-done[0]
+		<-done[1]
+	}
+	for _, msg := range poisons {
+		require.Equal(t, 1, b.count(t, "txbox_dlq", "uuid = $1 AND reason = $2 AND attempts = 3", msg.UUID, inbox.ReasonAttemptsExhausted),
+			"%s is dead-lettered after its own 3 attempts", msg.UUID)
+	}
+}

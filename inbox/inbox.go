@@ -355,6 +355,10 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 			// writes: it ends first.
 			rollback(ctx, tx)
 			ib.crashDomain.RUnlock()
+			// Nor is this delivery in flight while it waits to run alone: its marker goes, so that a
+			// crash meanwhile (another suspect's, running alone) is not charged to it, nor a
+			// failure to start running alone.
+			ib.endAttempt(ctx, sc, false, true, nil)
 			failpoint.HitContext(ctx, "inbox.before-run-alone")
 			ib.crashDomain.Lock()
 			defer ib.crashDomain.Unlock()
@@ -455,9 +459,9 @@ func outliving(ctx context.Context, grace time.Duration) (context.Context, conte
 func (ib *Inbox) endAttempt(ctx context.Context, sc scope, alone, transient bool, cause error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
-	lastErr := any(cause.Error())
-	if transient {
-		lastErr = nil
+	var lastErr any // A transient failure keeps the last error the message's own failure left.
+	if !transient {
+		lastErr = cause.Error()
 	}
 	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.endAttempt, ib.args(sc, alone, transient, lastErr)...); err != nil {
 		fields := sc.logFields()
