@@ -61,4 +61,11 @@
 // transaction and a new counted attempt:
 //
 //	router.AddMiddleware(middleware.Retry{MaxRetries: 3}.Middleware, ib.Middleware)
+//
+// Whatever the inbox wraps runs in its one transaction, and the inbox sees only its outcome: a
+// middleware inside it that re-runs the handler (Retry, Duplicator) commits every run's writes, and
+// one that turns an error into success (PoisonQueue, IgnoreErrors) commits a failed handler's
+// writes and marks the message processed. Watermill applies router-level middlewares outside
+// handler-level ones, so an inbox added to the router and a Retry added to a handler put Retry
+// inside: add the inbox to the handler then, or both at one level with the inbox last.
 package inbox
