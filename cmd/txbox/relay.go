@@ -23,6 +23,7 @@ type relaySettings struct {
 	shards, batchSize, batchBytes, maxPublishAttempts               int
 	leaseTTL, pollInterval, idlePollInterval, statsInterval         time.Duration
 	replayWindow, callTimeout, minPublishBackoff, maxPublishBackoff time.Duration
+	minCallBackoff, maxCallBackoff                                  time.Duration
 	transactional                                                   bool
 }
 
@@ -43,6 +44,7 @@ func (a *app) relayCommand() *cobra.Command {
 		replayWindow:  relay.DefaultReplayWindow,
 		statsInterval: relay.DefaultStatsInterval, maxPublishAttempts: relay.DefaultMaxPublishAttempts,
 		minPublishBackoff: relay.DefaultMinPublishBackoff, maxPublishBackoff: relay.DefaultMaxPublishBackoff,
+		minCallBackoff: relay.DefaultMinCallBackoff, maxCallBackoff: relay.DefaultMaxCallBackoff,
 	}
 	fs := cmd.Flags()
 	f := a.setting(fs, text(&s.brokers, list(hostPort(false))), "kafka-brokers", "TXBOX_KAFKA_BROKERS", "comma-separated Kafka brokers, host:port")
@@ -77,11 +79,15 @@ func (a *app) relayCommand() *cobra.Command {
 	annotate(f, annField, "Config.MaxPublishBackoff")
 	a.setting(fs, boolValue(&s.transactional), "transactional", "TXBOX_TRANSACTIONAL", "publish each batch as a Kafka transaction, fencing relays that lost their lease; false = idempotent producer only").NoOptDefVal = "true"
 	f = a.setting(fs, text(&s.stripeURL, httpURL), "stripe-base-url", "TXBOX_STRIPE_BASE_URL", "Stripe API address for side-effect calls, which run when "+relay.APIKeyEnvVar+" is set")
-	annotate(f, annField, "Config.Calls: BaseURL")
+	annotate(f, annField, "CallConfig.BaseURL")
 	f = a.setting(fs, durationIn(&s.replayWindow, time.Minute, 24*time.Hour-time.Minute), "call-replay-window", "TXBOX_CALL_REPLAY_WINDOW", "oldest first attempt a call may have when sent; older calls go to the DLQ for reconciliation (below 24h)")
-	annotate(f, annField, "Config.Calls: ReplayWindow")
+	annotate(f, annField, "CallConfig.ReplayWindow")
 	f = a.setting(fs, durationIn(&s.callTimeout, 100*time.Millisecond, 10*time.Minute), "call-timeout", "TXBOX_CALL_TIMEOUT", "timeout of one side-effect request, at most --lease-ttl (default two thirds of --lease-ttl)")
-	annotate(f, annField, "Config.Calls: Timeout")
+	annotate(f, annField, "CallConfig.Timeout")
+	f = a.setting(fs, durationIn(&s.minCallBackoff, time.Millisecond, time.Hour), "min-call-backoff", "TXBOX_MIN_CALL_BACKOFF", "first wait before a failed side-effect call is sent again (exponential, with jitter, never sooner than the provider's Retry-After); calls of one partition key wait behind it")
+	annotate(f, annField, "CallConfig.MinBackoff")
+	f = a.setting(fs, durationIn(&s.maxCallBackoff, time.Millisecond, 24*time.Hour), "max-call-backoff", "TXBOX_MAX_CALL_BACKOFF", "longest wait before a failed side-effect call is sent again")
+	annotate(f, annField, "CallConfig.MaxBackoff")
 
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
@@ -99,7 +105,8 @@ func (a *app) relayCommand() *cobra.Command {
 		}
 		var calls *relay.CallConfig
 		if key := a.getenv(relay.APIKeyEnvVar); key != "" {
-			calls = &relay.CallConfig{APIKey: key, BaseURL: s.stripeURL, ReplayWindow: s.replayWindow, Timeout: s.callTimeout}
+			calls = &relay.CallConfig{APIKey: key, BaseURL: s.stripeURL, ReplayWindow: s.replayWindow, Timeout: s.callTimeout,
+				MinBackoff: s.minCallBackoff, MaxBackoff: s.maxCallBackoff}
 		}
 		reg := prometheus.NewRegistry()
 		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
