@@ -101,14 +101,15 @@ func testACrashIsChargedToTheMessageThatCausedIt(t *testing.T, afterDuplicate bo
 		p := &process{dead: make(chan struct{})}
 		ib, err := inbox.New(inbox.Config{DB: mortalDB{b.env.Pool, p}, Consumer: "billing", Schema: b.env.Schema, MaxAttempts: 3, StatsInterval: -1}, nil)
 		require.NoError(t, err)
-		innocentIn, innocentWaits, innocentDone := make(chan struct{}), make(chan struct{}), make(chan struct{})
-		poisonWaits, poisonDone := make(chan struct{}), make(chan struct{})
+		innocentIn, innocentWaits, innocentBlocked, innocentDone := make(chan struct{}), make(chan struct{}), make(chan struct{}), make(chan struct{})
+		poisonWaits, poisonBlocked, poisonDone := make(chan struct{}), make(chan struct{}), make(chan struct{})
 		h := ib.Middleware(b.handler(func(msg *message.Message) error {
 			if msg.UUID == poison.UUID {
 				poisonRuns.Add(1)
 				select {
 				case <-innocentIn:
 				case <-innocentWaits:
+				case <-innocentBlocked: // Behind this one, which runs alone: it cannot be in flight.
 				case <-innocentDone:
 				}
 				p.crash()
@@ -128,9 +129,8 @@ func testACrashIsChargedToTheMessageThatCausedIt(t *testing.T, afterDuplicate bo
 		}))
 		var mu sync.Mutex
 		// deliver delivers msg in a goroutine of its own, as a router does with several partitions.
-		deliver := func(msg *message.Message, waits, done chan struct{}) {
-			var once sync.Once
-			ctx := failpoint.WithHook(context.Background(), "inbox.before-run-alone", func() { once.Do(func() { close(waits) }) })
+		deliver := func(msg *message.Message, waits, blocked, done chan struct{}) {
+			ctx := withDeliveryHooks(waits, blocked)
 			go func() {
 				defer close(done)
 				defer func() {
@@ -146,8 +146,8 @@ func testACrashIsChargedToTheMessageThatCausedIt(t *testing.T, afterDuplicate bo
 		if afterDuplicate {
 			require.NoError(t, deliverCtx(context.Background(), h, processed))
 		}
-		deliver(innocent, innocentWaits, innocentDone)
-		deliver(poison, poisonWaits, poisonDone)
+		deliver(innocent, innocentWaits, innocentBlocked, innocentDone)
+		deliver(poison, poisonWaits, poisonBlocked, poisonDone)
 		<-innocentDone
 		<-poisonDone
 	}
@@ -174,9 +174,9 @@ func TestACrashWhileASuspectWaitsToRunAloneIsNotChargedToIt(t *testing.T) {
 		p := &process{dead: make(chan struct{})}
 		ib, err := inbox.New(inbox.Config{DB: mortalDB{b.env.Pool, p}, Consumer: "billing", Schema: b.env.Schema, MaxAttempts: 3, StatsInterval: -1}, nil)
 		require.NoError(t, err)
-		var in, waits, done [2]chan struct{}
+		var in, waits, blocked, done [2]chan struct{}
 		for i := range 2 {
-			in[i], waits[i], done[i] = make(chan struct{}), make(chan struct{}), make(chan struct{})
+			in[i], waits[i], blocked[i], done[i] = make(chan struct{}), make(chan struct{}), make(chan struct{}), make(chan struct{})
 		}
 		h := ib.Middleware(b.handler(func(msg *message.Message) error {
 			i := 0
@@ -187,14 +187,14 @@ func TestACrashWhileASuspectWaitsToRunAloneIsNotChargedToIt(t *testing.T) {
 			select {
 			case <-in[1-i]:
 			case <-waits[1-i]:
+			case <-blocked[1-i]:
 			case <-done[1-i]:
 			}
 			p.crash()
 			panic(errCrash)
 		}))
 		for i, msg := range poisons {
-			var once sync.Once
-			ctx := failpoint.WithHook(context.Background(), "inbox.before-run-alone", func() { once.Do(func() { close(waits[i]) }) })
+			ctx := withDeliveryHooks(waits[i], blocked[i])
 			go func() {
 				defer close(done[i])
 				defer func() { _ = recover() }()
@@ -208,4 +208,13 @@ func TestACrashWhileASuspectWaitsToRunAloneIsNotChargedToIt(t *testing.T) {
 		require.Equal(t, 1, b.count(t, "txbox_dlq", "uuid = $1 AND reason = $2 AND attempts = 3", msg.UUID, inbox.ReasonAttemptsExhausted),
 			"%s is dead-lettered after its own 3 attempts", msg.UUID)
 	}
+}
+
+// withDeliveryHooks returns a context under which a delivery closes waits when it is about to wait
+// to run alone, and blocked when it finds a suspect running alone (or about to) and waits for it
+// before it can start: a message that waits for another to be in flight must stop waiting then.
+func withDeliveryHooks(waits, blocked chan struct{}) context.Context {
+	var waiting, behind sync.Once
+	ctx := failpoint.WithHook(context.Background(), "inbox.before-run-alone", func() { waiting.Do(func() { close(waits) }) })
+	return failpoint.WithHook(ctx, "inbox.waits-for-suspect", func() { behind.Do(func() { close(blocked) }) })
 }

@@ -314,7 +314,10 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 		// It goes in the round trip that opens the handler's transaction, before it, so a fresh
 		// message pays no round trip for it; a delivery holds the crash domain shared from then on,
 		// so none starts while a suspect runs alone.
-		ib.crashDomain.RLock()
+		if !ib.crashDomain.TryRLock() {
+			failpoint.HitContext(ctx, "inbox.waits-for-suspect") // A suspect runs alone, or is about to.
+			ib.crashDomain.RLock()
+		}
 		mark := marker{args: ib.args(sc)}
 		// The round trip that writes the marker is not cut short when the delivery is cancelled
 		// (the router stopping): the server may have committed the marker before the answer came,
