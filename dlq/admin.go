@@ -25,6 +25,10 @@ var (
 	// idempotency key may have expired there: a person reconciles it with the provider and then
 	// discards the letter. Exclude calls with Filter.Kind = "message".
 	ErrCallNotRedrivable = errors.New("dlq: side-effect calls cannot be redriven; reconcile them with the provider by hand, then discard them")
+	// ErrNoMessageID is returned by Redrive when the filter selects the letter of a message that
+	// had no usable id (reason ReasonNoID of the inbox): the outbox publishes only messages with
+	// an id. Publish what should still be processed yourself, then discard the letter.
+	ErrNoMessageID = errors.New("dlq: letters of messages without an id cannot be redriven; publish their payloads again yourself if they should be processed, then discard them")
 )
 
 // Letter is one dead letter as stored: the Entry a component added, its id and its failure times.

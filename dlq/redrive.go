@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -126,7 +127,8 @@ type DB interface {
 // transaction, and retention keeps every consumer's inbox rows of the message for its
 // InboxRetention from then (see package retention).
 //
-// Side-effect calls are refused (ErrCallNotRedrivable) before anything moves. An empty filter is
+// Side-effect calls (ErrCallNotRedrivable) and messages without an id (ErrNoMessageID) are refused
+// before anything moves. An empty filter is
 // refused unless Filter.All is set (ErrEmptyFilter).
 func (a *Admin) Redrive(ctx context.Context, db DB, f Filter, opts RedriveOptions) (RedriveResult, error) {
 	if err := f.validate(); err != nil {
@@ -199,11 +201,16 @@ func contextErr(ctx context.Context, err error) error {
 	return err
 }
 
-// plan counts the selection per topic, refuses calls, and fixes the selection's bounds.
+// plan counts the selection per topic, refuses what cannot go back to the outbox (calls, messages
+// without an id), and fixes the selection's bounds.
 func (a *Admin) plan(ctx context.Context, db Queryer, f Filter) (RedriveResult, window, error) {
 	var (
-		res   RedriveResult
-		calls []int64
+		res     RedriveResult
+		refused = [...]struct {
+			err     error
+			letters int
+			first   []int64 // The first few ids of each group of them.
+		}{{err: ErrCallNotRedrivable}, {err: ErrNoMessageID}}
 		maxID int64
 		asOf  time.Time
 	)
@@ -215,31 +222,36 @@ func (a *Admin) plan(ctx context.Context, db Queryer, f Filter) (RedriveResult, 
 	for rows.Next() {
 		var (
 			tc    TopicCount
+			noID  bool
 			first []int64
 			top   int64
 		)
-		if err := rows.Scan(&tc.Topic, &tc.Kind, &tc.Letters, &first, &top, &asOf); err != nil {
+		if err := rows.Scan(&tc.Topic, &tc.Kind, &noID, &tc.Letters, &first, &top, &asOf); err != nil {
 			return res, window{}, fmt.Errorf("dlq: plan redrive: %w", err)
 		}
 		res.Topics = append(res.Topics, tc)
 		res.Planned += tc.Letters
 		maxID = max(maxID, top)
-		if tc.Kind == "call" {
-			calls = append(calls, first...)
+		r := -1
+		switch {
+		case tc.Kind == "call":
+			r = 0
+		case noID:
+			r = 1
+		}
+		if r >= 0 {
+			refused[r].letters += tc.Letters
+			refused[r].first = append(refused[r].first, first...)
 		}
 	}
 	if err := rows.Err(); err != nil {
 		return res, window{}, fmt.Errorf("dlq: plan redrive: %w", err)
 	}
-	if len(calls) > 0 {
-		n := 0
-		for _, tc := range res.Topics {
-			if tc.Kind == "call" {
-				n += tc.Letters
-			}
+	for _, r := range refused {
+		if r.letters > 0 {
+			slices.Sort(r.first)
+			return res, window{}, fmt.Errorf("%w: the filter selects %d such letter(s), ids %s", r.err, r.letters, idList(r.first, r.letters))
 		}
-		return res, window{}, fmt.Errorf("%w: the filter selects %d call letter(s), ids %s; exclude them with kind \"message\" (txbox dlq redrive --kind message)",
-			ErrCallNotRedrivable, n, idList(calls, n))
 	}
 	var from int64 // Identity ids start at 1.
 	return res, window{asOf: &asOf, after: &from, atMost: &maxID}, nil

@@ -176,26 +176,48 @@ func TestRedriveConcurrentRedrivesMoveEachLetterOnce(t *testing.T) {
 	require.Zero(t, tb.count(t, "txbox_inbox", "true"))
 }
 
-func TestRedriveRefusesCalls(t *testing.T) {
+// A redrive, and its dry run, refuse a selection holding a letter that cannot go back to the
+// outbox, naming it, before anything moves: a side-effect call (it may have reached the provider),
+// or a message that had no id (the outbox needs one). A narrower selection moves the rest.
+func TestRedriveRefusesWhatCannotGoBackToTheOutbox(t *testing.T) {
 	t.Parallel()
-	tb := setup(t)
-	ctx := context.Background()
-	tb.add(t, dlq.Entry{UUID: "m-1", Source: dlq.SourceRelay, Topic: "orders"})
-	call := tb.add(t, dlq.Entry{UUID: "c-1", Source: dlq.SourceRelay, Kind: "call", Topic: "charges.replies",
-		IdempotencyKey: "idem-1", Reason: "key past the provider's replay window"})
+	for name, c := range map[string]struct {
+		bad    dlq.Entry
+		want   error
+		narrow dlq.Filter
+	}{
+		"call": {
+			bad: dlq.Entry{UUID: "c-1", Source: dlq.SourceRelay, Kind: "call", Topic: "charges.replies",
+				IdempotencyKey: "idem-1", Reason: "key past the provider's replay window"},
+			want: dlq.ErrCallNotRedrivable, narrow: dlq.Filter{Source: dlq.SourceRelay, Kind: "message"},
+		},
+		"message without an id": {
+			bad:  dlq.Entry{Source: dlq.SourceRelay, Topic: "orders", Reason: "no usable id"},
+			want: dlq.ErrNoMessageID, narrow: dlq.Filter{Source: dlq.SourceRelay, Reason: "exhausted"},
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			tb := setup(t)
+			ctx := context.Background()
+			tb.add(t, dlq.Entry{UUID: "m-1", Source: dlq.SourceRelay, Topic: "orders", Reason: "attempts exhausted"})
+			bad := tb.add(t, c.bad)
+			tb.add(t, dlq.Entry{UUID: "m-2", Source: dlq.SourceRelay, Topic: "orders", Reason: "attempts exhausted"})
 
-	for _, dry := range []bool{true, false} {
-		_, err := tb.admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Source: dlq.SourceRelay}, dlq.RedriveOptions{Rate: rate.Inf, DryRun: dry})
-		require.ErrorIs(t, err, dlq.ErrCallNotRedrivable)
-		require.ErrorContains(t, err, fmt.Sprint(call))
-		require.Zero(t, tb.count(t, "txbox_outbox", "true"), "nothing moves when a call is selected")
-		require.Equal(t, 2, tb.count(t, "txbox_dlq", "true"))
+			for _, dry := range []bool{true, false} {
+				_, err := tb.admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Source: dlq.SourceRelay}, dlq.RedriveOptions{Rate: rate.Inf, DryRun: dry})
+				require.ErrorIs(t, err, c.want)
+				require.ErrorContains(t, err, fmt.Sprintf("1 such letter(s), ids %d", bad))
+				require.Zero(t, tb.count(t, "txbox_outbox", "true"), "nothing moves")
+				require.Equal(t, 3, tb.count(t, "txbox_dlq", "true"))
+			}
+
+			res, err := tb.admin.Redrive(ctx, tb.env.Pool, c.narrow, dlq.RedriveOptions{Rate: rate.Inf})
+			require.NoError(t, err)
+			require.Equal(t, 2, res.Moved)
+			require.Equal(t, 1, tb.count(t, "txbox_dlq", "id = $1", bad))
+		})
 	}
-
-	res, err := tb.admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Source: dlq.SourceRelay, Kind: "message"}, dlq.RedriveOptions{Rate: rate.Inf})
-	require.NoError(t, err)
-	require.Equal(t, 1, res.Moved)
-	require.Equal(t, 1, tb.count(t, "txbox_dlq", "kind = 'call'"))
 }
 
 func TestRedriveDryRunMovesNothing(t *testing.T) {

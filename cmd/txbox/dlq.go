@@ -269,8 +269,11 @@ func (a *app) dlqRedrive() *cobra.Command {
 		defer pool.Close()
 
 		plan, err := admin.Redrive(ctx, pool, f, dlq.RedriveOptions{Rate: rate.Inf, DryRun: true})
-		if errors.Is(err, dlq.ErrCallNotRedrivable) {
-			return usagef("%v (narrow the selection: --kind message)", err) // The selection is the flags'.
+		switch { // The selection is the flags'.
+		case errors.Is(err, dlq.ErrCallNotRedrivable):
+			return usagef("%v (narrow the selection: --kind message)", err)
+		case errors.Is(err, dlq.ErrNoMessageID):
+			return usagef("%v (see one with txbox dlq show ID, discard them with txbox dlq discard --id, or narrow the selection)", err)
 		}
 		if err != nil {
 			return err
