@@ -21,7 +21,8 @@ type dedupCounts struct{ checks, hits int64 }
 // statsBuffer aggregates the dedup counts in memory and writes them to txbox_dedup_stats at most
 // every interval, so that the hit rate outlives the process at the cost of one statement per
 // interval, not one per message. A message that finds the interval passed starts the write in the
-// background and does not wait for it; Flush writes synchronously.
+// background and does not wait for it; one that finds it running arms a timer for its end, so the
+// counts of a consumer that then goes quiet are written too; Flush writes synchronously.
 type statsBuffer struct {
 	interval time.Duration // 0: the counts are not written
 
@@ -29,6 +30,7 @@ type statsBuffer struct {
 	pending  map[string]dedupCounts // by handler
 	due      time.Time              // the earliest time the next background write may start
 	writing  chan struct{}          // closed when the background write in progress ends; nil if none
+	timer    *time.Timer            // armed to write pending counts once due; nil if not armed
 	failing  bool                   // the last write failed, logged once per streak
 	flushSQL string
 }
@@ -65,14 +67,27 @@ func (s *statsBuffer) putBack(p map[string]dedupCounts) {
 	}
 }
 
-// maybeFlush starts a background write when the interval has passed and none is in progress.
+// maybeFlush starts a background write when counts are pending, the interval has passed and none
+// is in progress; while it has not, it makes sure a timer comes back when it has.
 func (ib *Inbox) maybeFlush() {
 	s := &ib.stats
 	if s.interval == 0 {
 		return
 	}
 	s.mu.Lock()
-	if s.writing != nil || len(s.pending) == 0 || time.Now().Before(s.due) {
+	if len(s.pending) == 0 {
+		s.mu.Unlock()
+		return
+	}
+	if s.writing != nil || time.Now().Before(s.due) {
+		if s.timer == nil {
+			s.timer = time.AfterFunc(max(time.Until(s.due), minStatsWait), func() {
+				s.mu.Lock()
+				s.timer = nil
+				s.mu.Unlock()
+				ib.maybeFlush()
+			})
+		}
 		s.mu.Unlock()
 		return
 	}
@@ -93,9 +108,13 @@ func (ib *Inbox) maybeFlush() {
 	}()
 }
 
+// minStatsWait spaces the stats timer's returns while a write that outlasted its interval is still
+// in progress.
+const minStatsWait = 100 * time.Millisecond
+
 // Flush writes the dedup counts not yet written to txbox_dedup_stats, after any write in progress.
-// Counts are otherwise written at most every Config.StatsInterval, when messages arrive: call Flush
-// once the router has stopped to keep the last seconds' counts. Counts that cannot be written stay
+// Counts are otherwise written at most every Config.StatsInterval, in the background: call Flush
+// once the router has stopped to keep the last interval's counts. Counts that cannot be written stay
 // pending.
 func (ib *Inbox) Flush(ctx context.Context) error {
 	s := &ib.stats

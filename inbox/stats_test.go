@@ -63,6 +63,22 @@ func TestDedupCountsOutliveTheProcess(t *testing.T) {
 }
 
 // Counts older than the window are not part of the rate.
+// Counts left pending when messages stop coming are written once their interval has passed: a
+// consumer that goes quiet does not keep its last counts in memory until the next message.
+func TestDedupCountsOfAQuietConsumerAreWrittenOnceDue(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *inbox.Config) { c.StatsInterval = 200 * time.Millisecond })
+	h := b.inbox.Middleware(b.handler(nil))
+	msg := newMessage()
+	for range 4 { // The first delivery's counts are written at once, the others wait for the interval.
+		require.NoError(t, deliver(h, msg))
+	}
+	require.Eventually(t, func() bool {
+		s, ok := dedupStat(t, b, "billing", "")
+		return ok && s.Checks == 4 && s.Hits == 3
+	}, time.Minute, 20*time.Millisecond, "every count is written without another message or a Flush")
+}
+
 func TestDedupStatsWindow(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
