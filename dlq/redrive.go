@@ -335,7 +335,9 @@ func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window
 	if _, err := tx.Exec(ctx, a.sql.deleteLetters, ids); err != nil {
 		return 0, 0, 0, fmt.Errorf("delete letters: %w", err)
 	}
-	if err := tx.Commit(ctx); err != nil {
+	// A commit cut off by an interrupt may still take effect on the server, and the redrive would
+	// then report fewer letters moved than it moved: it waits for the answer instead.
+	if err := tx.Commit(context.WithoutCancel(ctx)); err != nil {
 		return 0, 0, 0, fmt.Errorf("commit: %w", err)
 	}
 	return len(letters), released, ids[len(ids)-1], nil
