@@ -699,8 +699,8 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 	ib.metrics.DeadLetters.WithLabelValues(string(dlq.SourceInbox), reason).Inc()
 	trace.SpanFromContext(ctx).AddEvent(eventDeadLettered, trace.WithAttributes(attrDLQReason.String(reason)))
 	fields := sc.logFields()
-	fields["message_uuid"], fields["reason"], fields["error"] = uuid, reason, cause.Error()
-	ib.logger.Info("Message moved to the dead-letter table", fields)
+	fields["message_uuid"], fields["reason"] = uuid, reason
+	ib.logger.Error("Message moved to the dead-letter table", cause, fields) // As the relay logs its own.
 	return nil
 }
 
