@@ -38,7 +38,7 @@ func (o *outage) fail(shard int, err error) {
 }
 
 // settle records that shard no longer fails: it recovered after failures attempts (0 when it
-// stops without having recovered, which ends its part in the outage silently).
+// stops without having recovered: released, or the relay stopping).
 func (o *outage) settle(shard, failures int) {
 	o.mu.Lock()
 	was := o.failing[shard]
@@ -48,8 +48,12 @@ func (o *outage) settle(shard, failures int) {
 		o.last = nil
 	}
 	o.mu.Unlock()
-	if over && failures > 0 {
+	switch {
+	case over && failures > 0:
 		o.log.Info(o.what+" recovered", "shard", shard, "failed_attempts", failures)
+	case over:
+		// The outage was logged: its end is too, though this relay did not see it end.
+		o.log.Info(o.what+" no longer fails on this relay: its last failing shard was released before it recovered", "shard", shard)
 	}
 }
 
