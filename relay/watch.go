@@ -31,12 +31,15 @@ func (r *Relay) watch(ctx context.Context) {
 			continue
 		case <-t.C:
 		}
+		began := time.Now()
 		if r.look(ctx) {
 			wait, empty = r.cfg.PollInterval, 0
 		} else if empty++; empty > fastLooks {
 			wait = min(2*wait, r.cfg.IdlePollInterval)
 		}
-		t.Reset(wait)
+		// The wait runs from the start of one look to the start of the next: a row that commits
+		// while a look runs waits for the next one no longer than if the look had cost nothing.
+		t.Reset(max(wait-time.Since(began), 0))
 	}
 }
 
