@@ -170,6 +170,7 @@ func TestACrashWhileASuspectWaitsToRunAloneIsNotChargedToIt(t *testing.T) {
 	settled := func() bool {
 		return b.count(t, "txbox_dlq", "uuid IN ($1, $2)", poisons[0].UUID, poisons[1].UUID) == 2
 	}
+	var unexpected atomic.Value
 	for run := 0; run < 10 && !settled(); run++ {
 		p := &process{dead: make(chan struct{})}
 		ib, err := inbox.New(inbox.Config{DB: mortalDB{b.env.Pool, p}, Consumer: "billing", Schema: b.env.Schema, MaxAttempts: 3, StatsInterval: -1}, nil)
@@ -197,13 +198,18 @@ func TestACrashWhileASuspectWaitsToRunAloneIsNotChargedToIt(t *testing.T) {
 			ctx := withDeliveryHooks(waits[i], blocked[i])
 			go func() {
 				defer close(done[i])
-				defer func() { _ = recover() }()
+				defer func() {
+					if r := recover(); r != nil && r != errCrash {
+						unexpected.Store(r)
+					}
+				}()
 				_ = deliverCtx(ctx, h, msg)
 			}()
 		}
 		<-done[0]
 		<-done[1]
 	}
+	require.Nil(t, unexpected.Load())
 	for _, msg := range poisons {
 		require.Equal(t, 1, b.count(t, "txbox_dlq", "uuid = $1 AND reason = $2 AND attempts = 3", msg.UUID, inbox.ReasonAttemptsExhausted),
 			"%s is dead-lettered after its own 3 attempts", msg.UUID)
