@@ -104,8 +104,8 @@ type Config struct {
 	// to txbox_dedup_stats (per consumer, handler and minute), where `txbox status` reads the hit
 	// rate. They are written in the background by a statement of their own once the interval has
 	// passed, also when no message comes after them, so a message never waits for them; call Flush
-	// when the router stops to write the rest. If not specified, defaults to DefaultStatsInterval; a negative value
-	// disables the writes.
+	// when the router stops to write the rest. If not specified, defaults to DefaultStatsInterval;
+	// a negative value disables the writes.
 	StatsInterval time.Duration
 	// Registerer receives the inbox's Prometheus metrics. If not specified, they are not registered.
 	Registerer prometheus.Registerer

@@ -71,9 +71,9 @@ const confirmed = `(a.attempts + CASE WHEN a.alone THEN a.suspected ELSE 0 END)`
 
 // runAloneSQL starts a suspect's attempt, run while nothing else runs in its process, unless its
 // failed attempts reached the limit $6. It sets aside the unfinished attempts (this delivery's own
-// marker went before it waited to run alone: Inbox.handle). It returns the
-// attempts, now including this one if it runs, the last error and whether it runs. It commits
-// synchronously: it is the only record that the message ran alone.
+// marker went before it waited to run alone: Inbox.handle). It returns the attempts, now including
+// this one if it runs, the last error and whether it runs. It commits synchronously: it is the only
+// record that the message ran alone.
 const runAloneSQL = `
 UPDATE {schema}.txbox_inbox_attempt AS a
 SET attempts = ` + confirmed + ` + CASE WHEN ` + confirmed + ` < $6 THEN 1 ELSE 0 END,

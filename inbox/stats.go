@@ -21,8 +21,9 @@ type dedupCounts struct{ checks, hits int64 }
 // statsBuffer aggregates the dedup counts in memory and writes them to txbox_dedup_stats at most
 // every interval, so that the hit rate outlives the process at the cost of one statement per
 // interval, not one per message. A message that finds the interval passed starts the write in the
-// background and does not wait for it; one that finds it running arms a timer for its end, so the
-// counts of a consumer that then goes quiet are written too; Flush writes synchronously.
+// background and does not wait for it; one that comes sooner, or while a write runs, arms a timer
+// for when the next write is due, so the counts of a consumer that then goes quiet are written too;
+// Flush writes synchronously.
 type statsBuffer struct {
 	interval time.Duration // 0: the counts are not written
 

@@ -62,7 +62,6 @@ func TestDedupCountsOutliveTheProcess(t *testing.T) {
 	require.Equal(t, s.Checks, again.Checks)
 }
 
-// Counts older than the window are not part of the rate.
 // Counts left pending when messages stop coming are written once their interval has passed: a
 // consumer that goes quiet does not keep its last counts in memory until the next message.
 func TestDedupCountsOfAQuietConsumerAreWrittenOnceDue(t *testing.T) {
@@ -79,6 +78,7 @@ func TestDedupCountsOfAQuietConsumerAreWrittenOnceDue(t *testing.T) {
 	}, time.Minute, 20*time.Millisecond, "every count is written without another message or a Flush")
 }
 
+// Counts older than the window are not part of the rate.
 func TestDedupStatsWindow(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
