@@ -48,11 +48,11 @@ var subscribed = struct {
 
 // NewSubscriber returns a watermill-kafka subscriber for cfg (see SubscriberConfig) that refuses a
 // subscription to a topic that a subscriber of this process already serves in its consumer group.
-// It reads with a copy of cfg's sarama
-// configuration (watermill-kafka's default when cfg has none; cfg's own is left as it is) in which
-// the settings txbox's guarantees rest on are set as SaramaConfig sets them: isolation level
-// read_committed, a new group (or one whose committed offsets expired) starting at the oldest
-// offset, and, with a consumer group, a read timeout at least 5 s more than the rebalance timeout.
+// It reads with a copy of cfg's sarama configuration (watermill-kafka's default when cfg has none;
+// cfg's own is left as it is) in which the settings txbox's guarantees rest on are set as
+// SaramaConfig sets them: isolation level read_committed, a new group (or one whose committed
+// offsets expired) starting at the oldest offset, and, with a consumer group, a read timeout at
+// least 5 s more than the rebalance timeout.
 func NewSubscriber(cfg kafka.SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	cfg.OverwriteSaramaConfig = guaranteed(cfg.OverwriteSaramaConfig, cfg.ConsumerGroup != "")
 	sub, err := kafka.NewSubscriber(cfg, logger)
