@@ -61,7 +61,7 @@ func TestAMemberJoiningBesideABusyOneReceivesMessages(t *testing.T) {
 	holding, release := make(chan struct{}), make(chan struct{})
 	var holdOnce, releaseOnce sync.Once
 	subscribe := func(member string) {
-		sub, err := kafkasub.NewSubscriber(cfg, watermill.NopLogger{})
+		sub, err := kafkasub.NewGroupMember(cfg, watermill.NopLogger{}) // Two instances of one consumer.
 		require.NoError(t, err)
 		t.Cleanup(func() {
 			cancel() // First: it lets go of a message still held.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -34,17 +35,19 @@ var ErrTopicShared = errors.New("kafkasub: the topic is already subscribed in th
 type Subscriber struct {
 	*kafka.Subscriber
 	cluster, group string
+	member         string // NewGroupMember's: this subscriber's own name in subscribed; "" otherwise
 
 	mu     sync.Mutex
 	topics map[string]bool // what this one holds in subscribed, released by Close
 }
 
-// subscribed holds the (cluster, group, topic) of every subscription of this process's
+// subscribed holds the (cluster, group, topic, member) of every subscription of this process's
 // Subscribers: another one in the same group would split the topic's partitions with it.
 var subscribed = struct {
 	sync.Mutex
-	by map[[3]string]bool
-}{by: map[[3]string]bool{}}
+	by      map[[4]string]bool
+	members int
+}{by: map[[4]string]bool{}}
 
 // NewSubscriber returns a watermill-kafka subscriber for cfg (see SubscriberConfig) that refuses a
 // subscription to a topic that a subscriber of this process already serves in its consumer group.
@@ -61,6 +64,23 @@ func NewSubscriber(cfg kafka.SubscriberConfig, logger watermill.LoggerAdapter) (
 	}
 	brokers := slices.Sorted(slices.Values(cfg.Brokers))
 	return &Subscriber{Subscriber: sub, cluster: strings.Join(brokers, ","), group: cfg.ConsumerGroup, topics: map[string]bool{}}, nil
+}
+
+// NewGroupMember is NewSubscriber for one more member of a consumer group that other subscribers
+// of this process serve too: several instances of one consumer, the same handlers, in one process
+// (a test of how its instances share a group's partitions, say). It still refuses a second
+// subscription to a topic of its own. Never give two different handlers members of one group:
+// each would process only the partitions Kafka gives it.
+func NewGroupMember(cfg kafka.SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
+	s, err := NewSubscriber(cfg, logger)
+	if err != nil {
+		return nil, err
+	}
+	subscribed.Lock()
+	subscribed.members++
+	s.member = strconv.Itoa(subscribed.members)
+	subscribed.Unlock()
+	return s, nil
 }
 
 // guaranteed returns a copy of sc, or of watermill-kafka's default when sc is nil, with the
@@ -100,7 +120,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if s.group == "" {
 		return s.Subscriber.Subscribe(ctx, topic) // Without a group, every subscription reads every partition.
 	}
-	key := [3]string{s.cluster, s.group, topic}
+	key := [4]string{s.cluster, s.group, topic, s.member}
 	subscribed.Lock()
 	taken := subscribed.by[key]
 	subscribed.by[key] = true
@@ -142,7 +162,7 @@ func (s *Subscriber) release(topic string) {
 	s.mu.Unlock()
 	if held {
 		subscribed.Lock()
-		delete(subscribed.by, [3]string{s.cluster, s.group, topic})
+		delete(subscribed.by, [4]string{s.cluster, s.group, topic, s.member})
 		subscribed.Unlock()
 	}
 }

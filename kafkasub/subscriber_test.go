@@ -152,3 +152,22 @@ func TestASubscriberWithoutTxboxSettingsReadsCommittedMessagesFromTheOldest(t *t
 		t.Fatal("the message published before the group joined was not delivered")
 	}
 }
+
+// Members made with NewGroupMember join one group beside each other in one process, as instances
+// of one consumer do across processes; each still refuses a second subscription of its own.
+func TestGroupMembersShareAGroupInOneProcess(t *testing.T) {
+	t.Parallel()
+	brokers, topic := kafkatest.Brokers(t), kafkatest.Topic(t)
+	cfg := kafkatest.SubscriberConfig(brokers, "billing-"+watermill.NewShortUUID())
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	for range 2 {
+		member, err := kafkasub.NewGroupMember(cfg, watermill.NopLogger{})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = member.Close() })
+		_, err = member.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		_, err = member.Subscribe(ctx, topic)
+		require.ErrorIs(t, err, kafkasub.ErrTopicShared)
+	}
+}
