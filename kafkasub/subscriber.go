@@ -36,18 +36,24 @@ type Subscriber struct {
 	*kafka.Subscriber
 	cluster, group string
 	member         string // NewGroupMember's: this subscriber's own name in subscribed; "" otherwise
-
-	mu     sync.Mutex
-	topics map[string]bool // what this one holds in subscribed, released by Close
 }
 
-// subscribed holds the (cluster, group, topic, member) of every subscription of this process's
-// Subscribers: another one in the same group would split the topic's partitions with it.
+// subscribed holds every subscription of this process's Subscribers by (cluster, group, topic,
+// member): another one in the same group would split the topic's partitions with it. A hold whose
+// context is done is free, though its release (context.AfterFunc) may not have run yet, so a
+// consumer subscribing again at once after it cancelled the last subscription is not refused.
 var subscribed = struct {
 	sync.Mutex
-	by      map[[4]string]bool
-	members int
-}{by: map[[4]string]bool{}}
+	by           map[[4]string]hold
+	subs, grants int // counters naming members and holds
+}{by: map[[4]string]hold{}}
+
+// hold is one subscription in subscribed.
+type hold struct {
+	sub   *Subscriber
+	ctx   context.Context
+	grant int // tells this hold from a later one of the same key
+}
 
 // NewSubscriber returns a watermill-kafka subscriber for cfg (see SubscriberConfig) that refuses a
 // subscription to a topic that a subscriber of this process already serves in its consumer group.
@@ -63,7 +69,7 @@ func NewSubscriber(cfg kafka.SubscriberConfig, logger watermill.LoggerAdapter) (
 		return nil, err
 	}
 	brokers := slices.Sorted(slices.Values(cfg.Brokers))
-	return &Subscriber{Subscriber: sub, cluster: strings.Join(brokers, ","), group: cfg.ConsumerGroup, topics: map[string]bool{}}, nil
+	return &Subscriber{Subscriber: sub, cluster: strings.Join(brokers, ","), group: cfg.ConsumerGroup}, nil
 }
 
 // NewGroupMember is NewSubscriber for one more member of a consumer group that other subscribers
@@ -77,8 +83,8 @@ func NewGroupMember(cfg kafka.SubscriberConfig, logger watermill.LoggerAdapter) 
 		return nil, err
 	}
 	subscribed.Lock()
-	subscribed.members++
-	s.member = strconv.Itoa(subscribed.members)
+	subscribed.subs++
+	s.member = strconv.Itoa(subscribed.subs)
 	subscribed.Unlock()
 	return s, nil
 }
@@ -122,21 +128,20 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	key := [4]string{s.cluster, s.group, topic, s.member}
 	subscribed.Lock()
-	taken := subscribed.by[key]
-	subscribed.by[key] = true
-	subscribed.Unlock()
-	if taken {
+	if h, ok := subscribed.by[key]; ok && h.ctx.Err() == nil {
+		subscribed.Unlock()
 		return nil, fmt.Errorf("%w (topic %q, consumer group %q)", ErrTopicShared, topic, s.group)
 	}
-	s.mu.Lock()
-	s.topics[topic] = true
-	s.mu.Unlock()
+	subscribed.grants++
+	grant := subscribed.grants
+	subscribed.by[key] = hold{sub: s, ctx: ctx, grant: grant}
+	subscribed.Unlock()
 	messages, err := s.Subscriber.Subscribe(ctx, topic)
 	if err != nil {
-		s.release(topic)
+		release(func(k [4]string, h hold) bool { return k == key && h.grant == grant })
 		return nil, err
 	}
-	context.AfterFunc(ctx, func() { s.release(topic) })
+	context.AfterFunc(ctx, func() { release(func(k [4]string, h hold) bool { return k == key && h.grant == grant }) })
 	return messages, nil
 }
 
@@ -144,25 +149,13 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 // group may then take.
 func (s *Subscriber) Close() error {
 	err := s.Subscriber.Close()
-	s.mu.Lock()
-	topics := slices.Collect(maps.Keys(s.topics))
-	s.mu.Unlock()
-	for _, topic := range topics {
-		s.release(topic)
-	}
+	release(func(_ [4]string, h hold) bool { return h.sub == s })
 	return err
 }
 
-// release gives up the subscriber's hold on topic, once: after a release by Close, the one its
-// context's end makes later must not free a subscription another subscriber has taken since.
-func (s *Subscriber) release(topic string) {
-	s.mu.Lock()
-	held := s.topics[topic]
-	delete(s.topics, topic)
-	s.mu.Unlock()
-	if held {
-		subscribed.Lock()
-		delete(subscribed.by, [4]string{s.cluster, s.group, topic, s.member})
-		subscribed.Unlock()
-	}
+// release frees the holds that match: a subscription's own, never a later one of its key.
+func release(match func([4]string, hold) bool) {
+	subscribed.Lock()
+	defer subscribed.Unlock()
+	maps.DeleteFunc(subscribed.by, match)
 }

@@ -171,3 +171,26 @@ func TestGroupMembersShareAGroupInOneProcess(t *testing.T) {
 		require.ErrorIs(t, err, kafkasub.ErrTopicShared)
 	}
 }
+
+// A subscription whose context ended gives its topic up at once, before its release runs: a
+// consumer that cancels its subscription and subscribes again straight away, with the same
+// subscriber or a new one, is not refused.
+func TestASubscriptionWhoseContextEndedGivesItsTopicUpAtOnce(t *testing.T) {
+	t.Parallel()
+	brokers, topic := kafkatest.Brokers(t), kafkatest.Topic(t)
+	cfg := kafkatest.SubscriberConfig(brokers, "billing-"+watermill.NewShortUUID())
+	sub, err := kafkasub.NewSubscriber(cfg, watermill.NopLogger{})
+	require.NoError(t, err)
+	for i := range 20 {
+		ctx, cancel := context.WithCancel(context.Background())
+		_, err := sub.Subscribe(ctx, topic)
+		require.NoError(t, err, "round %d", i)
+		cancel()
+		if i%2 == 1 { // Every other round, a new subscriber takes over, the old one left open.
+			t.Cleanup(func() { _ = sub.Close() })
+			sub, err = kafkasub.NewSubscriber(cfg, watermill.NopLogger{})
+			require.NoError(t, err)
+		}
+	}
+	require.NoError(t, sub.Close())
+}
