@@ -336,12 +336,17 @@ func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window
 		return 0, 0, 0, fmt.Errorf("delete letters: %w", err)
 	}
 	// A commit cut off by an interrupt may still take effect on the server, and the redrive would
-	// then report fewer letters moved than it moved: it waits for the answer instead.
-	if err := tx.Commit(context.WithoutCancel(ctx)); err != nil {
+	// then report fewer letters moved than it moved: it waits for the answer instead, for a while.
+	commitCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitWait)
+	defer cancel()
+	if err := tx.Commit(commitCtx); err != nil {
 		return 0, 0, 0, fmt.Errorf("commit: %w", err)
 	}
 	return len(letters), released, ids[len(ids)-1], nil
 }
+
+// commitWait bounds how long an interrupted redrive waits for its last batch's commit.
+const commitWait = 30 * time.Second
 
 // idList formats the first ids of total, for messages.
 func idList(ids []int64, total int) string {
