@@ -269,7 +269,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 	sc := scope{consumer: consumer, handler: message.HandlerNameFromCtx(msg.Context())}
 	ib.metrics.DedupChecks.WithLabelValues(consumer, sc.handler).Inc()
 	ib.stats.add(sc.handler, 1, 0)
-	defer ib.maybeFlush()
+	defer ib.maybeFlush(false)
 
 	orig := msg.Context()
 	ctx, span := ib.startSpan(msg, sc)

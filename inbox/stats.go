@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/txbox/txbox/internal/sqlname"
@@ -69,8 +70,10 @@ func (s *statsBuffer) putBack(p map[string]dedupCounts) {
 }
 
 // maybeFlush starts a background write when counts are pending, the interval has passed and none
-// is in progress; while it has not, it makes sure a timer comes back when it has.
-func (ib *Inbox) maybeFlush() {
+// is in progress; while it has not, it makes sure a timer comes back when it has. The timer's
+// write (quiet) reports a failure at debug level only: it may come after the application closed
+// the database and stopped caring, and the next message's write reports it anyway.
+func (ib *Inbox) maybeFlush(quiet bool) {
 	s := &ib.stats
 	if s.interval == 0 {
 		return
@@ -86,7 +89,7 @@ func (ib *Inbox) maybeFlush() {
 				s.mu.Lock()
 				s.timer = nil
 				s.mu.Unlock()
-				ib.maybeFlush()
+				ib.maybeFlush(true)
 			})
 		}
 		s.mu.Unlock()
@@ -102,7 +105,12 @@ func (ib *Inbox) maybeFlush() {
 		ctx, cancel := context.WithTimeout(context.Background(), settleTimeout)
 		defer cancel()
 		err := ib.writeStats(ctx, p)
-		ib.reportStatsWrite(err)
+		if quiet && err != nil {
+			ib.logger.Debug("Could not write the dedup counts of a quiet consumer; they are kept for the next message or Flush",
+				watermill.LogFields{"error": err.Error()})
+		} else {
+			ib.reportStatsWrite(err)
+		}
 		s.mu.Lock()
 		s.writing = nil
 		s.mu.Unlock()
