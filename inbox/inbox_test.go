@@ -45,6 +45,15 @@ func setup(t *testing.T, mutate func(*inbox.Config)) *bundle {
 	return b
 }
 
+// newRouter returns an in-memory pub/sub and a router to consume from it.
+func newRouter(t *testing.T) (*gochannel.GoChannel, *message.Router) {
+	t.Helper()
+	logger := watermill.NopLogger{}
+	router, err := message.NewRouter(message.RouterConfig{}, logger)
+	require.NoError(t, err)
+	return gochannel.NewGoChannel(gochannel.Config{}, logger), router
+}
+
 // handler applies the business effect: one row in effects per processing.
 func (b *bundle) handler(fail func(*message.Message) error) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
@@ -264,10 +273,7 @@ func TestAttemptsAreCountedBeforeTheHandlerRuns(t *testing.T) {
 func TestAHandlerPanicInARouterCountsAsAnAttempt(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil) // MaxAttempts: 3
-	logger := watermill.NopLogger{}
-	pubsub := gochannel.NewGoChannel(gochannel.Config{}, logger)
-	router, err := message.NewRouter(message.RouterConfig{}, logger)
-	require.NoError(t, err)
+	pubsub, router := newRouter(t)
 	router.AddMiddleware(b.inbox.Middleware)
 	poison, healthy := newMessage(), newMessage()
 	var poisonRuns atomic.Int64
@@ -300,10 +306,7 @@ func TestAHandlerPanicInARouterCountsAsAnAttempt(t *testing.T) {
 func TestReturnedMessagesGoThroughTheOutbox(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	logger := watermill.NopLogger{}
-	pubsub := gochannel.NewGoChannel(gochannel.Config{}, logger)
-	router, err := message.NewRouter(message.RouterConfig{}, logger)
-	require.NoError(t, err)
+	pubsub, router := newRouter(t)
 	router.AddMiddleware(b.inbox.Middleware)
 	processed := make(chan struct{}, 1)
 	router.AddHandler("h", "in", pubsub, "out", pubsub, func(msg *message.Message) ([]*message.Message, error) {

@@ -6,10 +6,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/internal/txtest"
@@ -37,10 +35,7 @@ func TestRetryOutsideTheInboxCommitsOnlyTheTryThatSucceeded(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, nil)
-			logger := watermill.NopLogger{}
-			pubsub := gochannel.NewGoChannel(gochannel.Config{}, logger)
-			router, err := message.NewRouter(message.RouterConfig{}, logger)
-			require.NoError(t, err)
+			pubsub, router := newRouter(t)
 			var tries atomic.Int64
 			h := b.handler(func(*message.Message) error { // After the handler's insert.
 				if tries.Add(1) == 1 {

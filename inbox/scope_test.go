@@ -350,10 +350,7 @@ func TestHonouringConsumerWideRowsCostsNoRoundTrip(t *testing.T) {
 	outside := ib.Middleware(noop)
 	freshOutside, dupOutside, againOutside := statements(func(m *message.Message) { require.NoError(t, deliver(outside, m)) })
 
-	logger := watermill.NopLogger{}
-	pubsub := gochannel.NewGoChannel(gochannel.Config{}, logger)
-	router, err := message.NewRouter(message.RouterConfig{}, logger)
-	require.NoError(t, err)
+	pubsub, router := newRouter(t)
 	settled := make(chan error)
 	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
