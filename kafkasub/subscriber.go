@@ -136,12 +136,13 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	grant := subscribed.grants
 	subscribed.by[key] = hold{sub: s, ctx: ctx, grant: grant}
 	subscribed.Unlock()
+	mine := func(k [4]string, h hold) bool { return k == key && h.grant == grant }
 	messages, err := s.Subscriber.Subscribe(ctx, topic)
 	if err != nil {
-		release(func(k [4]string, h hold) bool { return k == key && h.grant == grant })
+		release(mine)
 		return nil, err
 	}
-	context.AfterFunc(ctx, func() { release(func(k [4]string, h hold) bool { return k == key && h.grant == grant }) })
+	context.AfterFunc(ctx, func() { release(mine) })
 	return messages, nil
 }
 

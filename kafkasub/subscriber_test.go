@@ -88,8 +88,7 @@ func TestEveryHandlerOfATopicNeedsASubscriberOfItsOwn(t *testing.T) {
 // restart of its router) subscribes in the same group.
 func TestAClosedSubscriberGivesItsTopicUp(t *testing.T) {
 	t.Parallel()
-	brokers, topic := kafkatest.Brokers(t), kafkatest.Topic(t)
-	cfg := kafkatest.SubscriberConfig(brokers, "billing-"+watermill.NewShortUUID())
+	cfg, topic := newGroup(t)
 	first, err := kafkasub.NewSubscriber(cfg, watermill.NopLogger{})
 	require.NoError(t, err)
 	_, err = first.Subscribe(context.Background(), topic) // A context that never ends.
@@ -157,8 +156,7 @@ func TestASubscriberWithoutTxboxSettingsReadsCommittedMessagesFromTheOldest(t *t
 // of one consumer do across processes; each still refuses a second subscription of its own.
 func TestGroupMembersShareAGroupInOneProcess(t *testing.T) {
 	t.Parallel()
-	brokers, topic := kafkatest.Brokers(t), kafkatest.Topic(t)
-	cfg := kafkatest.SubscriberConfig(brokers, "billing-"+watermill.NewShortUUID())
+	cfg, topic := newGroup(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	for range 2 {
@@ -177,8 +175,7 @@ func TestGroupMembersShareAGroupInOneProcess(t *testing.T) {
 // subscriber or a new one, is not refused.
 func TestASubscriptionWhoseContextEndedGivesItsTopicUpAtOnce(t *testing.T) {
 	t.Parallel()
-	brokers, topic := kafkatest.Brokers(t), kafkatest.Topic(t)
-	cfg := kafkatest.SubscriberConfig(brokers, "billing-"+watermill.NewShortUUID())
+	cfg, topic := newGroup(t)
 	sub, err := kafkasub.NewSubscriber(cfg, watermill.NopLogger{})
 	require.NoError(t, err)
 	for i := range 20 {
@@ -193,4 +190,11 @@ func TestASubscriptionWhoseContextEndedGivesItsTopicUpAtOnce(t *testing.T) {
 		}
 	}
 	require.NoError(t, sub.Close())
+}
+
+// newGroup returns the configuration of a consumer group of its own on the test cluster, and a
+// topic of the test's.
+func newGroup(t *testing.T) (kafka.SubscriberConfig, string) {
+	t.Helper()
+	return kafkatest.SubscriberConfig(kafkatest.Brokers(t), "billing-"+watermill.NewShortUUID()), kafkatest.Topic(t)
 }
