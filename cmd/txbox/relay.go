@@ -97,6 +97,12 @@ func (a *app) relayCommand() *cobra.Command {
 			return usagef("%s (%s) must not be longer than %s (%s): a graceful handover waits one lease TTL for the calls in flight",
 				refOf(cmd, "call-timeout"), formatDuration(s.callTimeout), refOf(cmd, "lease-ttl"), formatDuration(s.leaseTTL))
 		}
+		if s.maxCallBackoff < s.minCallBackoff {
+			// Checked here, not only by CallConfig, so that a bad pair is refused before the
+			// Stripe key is set, not on the first start with it.
+			return usagef("%s (%s) must be at least %s (%s)", refOf(cmd, "max-call-backoff"), formatDuration(s.maxCallBackoff),
+				refOf(cmd, "min-call-backoff"), formatDuration(s.minCallBackoff))
+		}
 		sink, err := relay.NewKafkaSink(relay.KafkaConfig{
 			Brokers: splitList(s.brokers), Transactional: &s.transactional, TransactionalIDPrefix: s.txPrefix,
 		})

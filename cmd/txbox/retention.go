@@ -95,7 +95,7 @@ func (a *app) retentionCommand() *cobra.Command {
 
 func printTableSizes(w io.Writer, sizes []retention.TableSize) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "TABLE\tSIZE\tLIVE ROWS\tDEAD ROWS")
+	fmt.Fprintln(tw, "TABLE\tSIZE\tLIVE ROWS (est.)\tDEAD ROWS (est.)") // PostgreSQL's statistics, not counts
 	for _, s := range sizes {
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\n", s.Table, formatBytes(s.TotalBytes), s.LiveRows, s.DeadRows)
 	}
