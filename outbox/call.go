@@ -130,9 +130,12 @@ func RejectedReplyUUID(idempotencyKey string) string {
 //
 // It returns an error wrapping ErrInvalidCall, and writes nothing, when c cannot be executed or no
 // key can be had: outside a handler, set IdempotencyKey, or call ContextWithSource with something
-// stable first. A second call with a derived key of the same Name in one transaction is refused
+// stable first (a Source without a DedupKey is none: every call of a name would share its key). A second call with a derived key of the same Name in one transaction is refused
 // the same way: it would share the first one's key.
 func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey string, err error) {
+	if err := checkExecer(tx); err != nil {
+		return "", err
+	}
 	key, err := callKey(ctx, c)
 	if err != nil {
 		return "", err
@@ -207,6 +210,10 @@ func callKey(ctx context.Context, c Call) (string, error) {
 	src, ok := SourceFromContext(ctx)
 	if !ok {
 		return "", fmt.Errorf("%w: no idempotency key: ctx carries no inbox message (use the handler's message context, or set Call.IdempotencyKey)", ErrInvalidCall)
+	}
+	if src.DedupKey == "" {
+		// Every call of the name would share one key, and the provider would execute only the first.
+		return "", fmt.Errorf("%w: no idempotency key: ctx's Source has no DedupKey (ContextWithSource needs the message's stable key, or set Call.IdempotencyKey)", ErrInvalidCall)
 	}
 	if c.Name == "" {
 		return "", fmt.Errorf("%w: Call.Name is required to derive the idempotency key: it tells the calls of one message apart", ErrInvalidCall)

@@ -276,6 +276,9 @@ func TestCallRejectsWhatCannotBeExecuted(t *testing.T) {
 	}{
 		{"no source and no key", context.Background(), charge("charge")},
 		{"no name to derive the key", source, charge("")},
+		// Every such call would share one key: the provider would execute the first only.
+		{"a source without a dedup key", outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing"}), charge("charge")},
+		{"an empty source", outbox.ContextWithSource(context.Background(), outbox.Source{}), charge("charge")},
 		{"a read", source, with(func(c *outbox.Call) { c.Method = "GET" })},
 		{"not a Stripe path", source, with(func(c *outbox.Call) { c.Path = "/charges" })},
 		{"a v2 path", source, with(func(c *outbox.Call) { c.Path = "/v2/core/events" })},

@@ -97,6 +97,9 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 	if len(msgs) == 0 {
 		return nil
 	}
+	if err := checkExecer(tx); err != nil {
+		return err
+	}
 	if topic == "" {
 		return fmt.Errorf("%w: empty topic", ErrInvalidMessage)
 	}
@@ -150,6 +153,17 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 	}
 	if _, err := tx.Exec(ctx, w.insertMessages, topic, slots, keys, uuids, payloads, metas); err != nil {
 		return fmt.Errorf("outbox: insert %d message(s) for %q: %w", len(msgs), topic, err)
+	}
+	return nil
+}
+
+// checkExecer refuses a nil tx, which would otherwise panic deep in the write.
+func checkExecer(tx Execer) error {
+	if tx == nil {
+		return errors.New("outbox: tx is nil")
+	}
+	if v := reflect.ValueOf(tx); v.Kind() == reflect.Pointer && v.IsNil() {
+		return fmt.Errorf("outbox: tx is a nil %T", tx)
 	}
 	return nil
 }

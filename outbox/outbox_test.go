@@ -8,6 +8,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
@@ -190,6 +192,18 @@ func TestInvalidMessagesAreRefusedWholesale(t *testing.T) {
 		}
 	}
 	require.Empty(t, rows(t, env), "nothing written when any message is invalid")
+}
+
+func TestANilTxIsAnErrorNotAPanic(t *testing.T) {
+	t.Parallel()
+	w, err := outbox.New(outbox.Config{})
+	require.NoError(t, err)
+	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", DedupKey: "msg-1"})
+	for name, tx := range map[string]outbox.Execer{"nil": nil, "nil pgx.Tx": pgx.Tx(nil), "nil pool": (*pgxpool.Pool)(nil)} {
+		require.ErrorContains(t, w.Publish(ctx, tx, "t", message.NewMessage(watermill.NewUUID(), nil)), "tx is", name)
+		_, err := w.Call(ctx, tx, outbox.Call{Name: "charge", Path: "/v1/charges"})
+		require.ErrorContains(t, err, "tx is", name)
+	}
 }
 
 func TestConfigIsValidated(t *testing.T) {
