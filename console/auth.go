@@ -221,13 +221,13 @@ func (s *Server) mutating(h http.HandlerFunc) http.HandlerFunc {
 			s.fail(w, r, http.StatusForbidden, "This console is read-only: nothing can be changed through it.")
 			return
 		}
+		sess, ok := s.sessions.get(r)
 		if !sameOrigin(r) {
-			s.fail(w, r, http.StatusForbidden, "Refused: the request did not come from a page of this console (Origin/Referer).")
+			s.refuse(w, r, sess.operator, "the request did not come from a page of this console (Origin/Referer)")
 			return
 		}
-		sess, ok := s.sessions.get(r)
 		if !ok || sess.operator == "" {
-			s.fail(w, r, http.StatusForbidden, "Sign in first: changes need an operator's sign-in.")
+			s.refuse(w, r, "", "no operator is signed in")
 			return
 		}
 		r.Body = http.MaxBytesReader(w, r.Body, maxFormBytes)
@@ -240,11 +240,23 @@ func (s *Server) mutating(h http.HandlerFunc) http.HandlerFunc {
 			given = r.PostForm.Get(csrfFormField)
 		}
 		if subtle.ConstantTimeCompare([]byte(given), []byte(sess.csrf)) != 1 {
-			s.fail(w, r, http.StatusForbidden, "Refused: the form's CSRF token does not belong to this session. Reload the page and try again.")
+			s.refuse(w, r, sess.operator, "the form's CSRF token does not belong to this session; reload the page and try again")
 			return
 		}
 		h(w, r.WithContext(context.WithValue(r.Context(), ctxKey{}, sess)))
 	}
+}
+
+// refuse answers 403 to a change or sign-in that the console's checks refused, and logs it. A
+// refusal that names an operator's session (a page of another site posting through their
+// browser, say) is audited too; one without is not, so that anyone who can reach the console
+// cannot fill the audit table.
+func (s *Server) refuse(w http.ResponseWriter, r *http.Request, operator, why string) {
+	s.log.Warn("console: request refused", "method", r.Method, "path", r.URL.Path, "operator", operator, "remote", r.RemoteAddr, "why", why)
+	if operator != "" {
+		_ = s.auditAlone(r.Context(), auditEntry{Operator: operator, Action: r.Method + " " + r.URL.Path, Target: "console", Result: "refused: " + why})
+	}
+	s.fail(w, r, http.StatusForbidden, "Refused: "+why+".")
 }
 
 // signInLimit bounds sign-in attempts, right or wrong, for the whole console: guessing a token
@@ -269,7 +281,7 @@ func (s *Server) signIn(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if !sameOrigin(r) {
-		s.fail(w, r, http.StatusForbidden, "Refused: the request did not come from a page of this console (Origin/Referer).")
+		s.refuse(w, r, "", "the request did not come from a page of this console (Origin/Referer)")
 		return
 	}
 	r.Body = http.MaxBytesReader(w, r.Body, maxFormBytes)
@@ -279,7 +291,7 @@ func (s *Server) signIn(w http.ResponseWriter, r *http.Request) {
 	}
 	anon, ok := s.sessions.get(r)
 	if !ok || subtle.ConstantTimeCompare([]byte(r.PostForm.Get(csrfFormField)), []byte(anon.csrf)) != 1 {
-		s.fail(w, r, http.StatusForbidden, "The sign-in form expired or did not come from this console. Open it again.")
+		s.refuse(w, r, "", "the sign-in form expired or did not come from this console; open it again")
 		return
 	}
 	view := signInView{Next: safeNext(r.PostForm.Get("next"))}

@@ -323,6 +323,8 @@ func (s *Server) startRedrive(w http.ResponseWriter, r *http.Request) {
 	v, f, err := s.planRedrive(r, r.PostForm)
 	back := v.Filter.Link("/letters/redrive")
 	refuse := func(err error) {
+		_ = s.auditAlone(r.Context(), auditEntry{Operator: sess.operator, Action: "redrive", Target: v.Filter.String(),
+			Detail: r.PostForm.Get("expect") + " letter(s) seen", Result: "refused: " + err.Error()})
 		s.sessions.setFlash(sess.id, "The redrive did not start: "+err.Error())
 		http.Redirect(w, r, back, http.StatusSeeOther)
 	}

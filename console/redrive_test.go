@@ -123,6 +123,10 @@ func TestRedriveRefusesWhatTheCLIRefuses(t *testing.T) {
 	require.Contains(t, plan.body, `href="/letters/redrive?kind=message&amp;source=relay"`)
 	br.startRedrive(csrf, url.Values{"source": {"relay"}, "expect": {"2"}})
 	require.Contains(t, br.get("/letters").body, "The redrive did not start: dlq: side-effect calls cannot be redriven")
+	audit := b.audit(t)
+	require.Equal(t, "redrive", audit[len(audit)-1].Action, "a refused redrive is audited")
+	require.Equal(t, "alice", audit[len(audit)-1].Operator)
+	require.Contains(t, audit[len(audit)-1].Result, "refused: dlq: side-effect calls cannot be redriven")
 	letter := br.get(fmt.Sprintf("/letters/%d", call)).body
 	require.Contains(t, letter, `id="call-note"`)
 	require.NotContains(t, letter, `id="redrive-one"`)
@@ -145,9 +149,14 @@ func TestRedriveRefusesWhatTheCLIRefuses(t *testing.T) {
 	require.Contains(t, br.get("/letters").body, "burst must be from 1 to the batch size (100)")
 	require.Equal(t, dlq.MaxUnpacedRedrive+3, b.count(t, "txbox_dlq", "true"), "nothing moved")
 	require.Zero(t, b.count(t, "txbox_outbox", "true"))
+	refusals := 0
 	for _, a := range b.audit(t) {
-		require.NotEqual(t, "redrive", a.Action, "nothing started, nothing to audit")
+		if a.Action == "redrive" {
+			require.True(t, strings.HasPrefix(a.Result, "refused: "), "nothing started, only refusals are audited: %+v", a)
+			refusals++
+		}
 	}
+	require.Equal(t, 5, refusals, "every refused start is audited")
 
 	// Without a rate, up to the limit moves at once: exactly the letters counted.
 	res := br.startRedrive(csrf, url.Values{"source": {"relay"}, "kind": {"message"}, "expect": {"1"}})

@@ -254,6 +254,21 @@ func TestChangesNeedSessionCSRFTokenAndOrigin(t *testing.T) {
 	require.Equal(t, http.StatusForbidden, alice.post("/letters/discard", discard(csrf),
 		map[string]string{"Origin": "", "Referer": "http://evil.example/letters"}).status)
 	require.Equal(t, 1, b.count(t, "txbox_dlq", "true"), "nothing refused was discarded")
+	// The refusals of alice's session are audited (a page of another site posting through her
+	// browser shows there); the anonymous one is only logged.
+	var refused []auditRow
+	for _, row := range b.audit(t) {
+		if strings.HasPrefix(row.Result, "refused: ") {
+			refused = append(refused, row)
+		}
+	}
+	require.Len(t, refused, 6, "%+v", refused)
+	for _, row := range refused {
+		require.Equal(t, "alice", row.Operator)
+		require.Equal(t, "POST /letters/discard", row.Action)
+	}
+	require.Contains(t, refused[0].Result, "CSRF token")
+	require.Contains(t, refused[2].Result, "Origin/Referer")
 
 	res := alice.post("/letters/discard", discard(csrf), map[string]string{"Origin": "", "Referer": b.ts.URL + "/letters/1"})
 	require.Equal(t, http.StatusSeeOther, res.status, res.body)

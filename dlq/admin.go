@@ -29,6 +29,10 @@ var (
 	// had no usable id (reason ReasonNoID of the inbox): the outbox publishes only messages with
 	// an id. Publish what should still be processed yourself, then discard the letter.
 	ErrNoMessageID = errors.New("dlq: letters of messages without an id cannot be redriven; publish their payloads again yourself if they should be processed, then discard them")
+	// ErrNoTopic is returned by Redrive when the filter selects the letter of a message whose topic
+	// is not known: an inbox used outside a Watermill router cannot tell which topic a message came
+	// from. Publish what should still be processed yourself, then discard the letter.
+	ErrNoTopic = errors.New("dlq: letters of messages without a topic cannot be redriven; publish their payloads again yourself if they should be processed, then discard them")
 )
 
 // Letter is one dead letter as stored: the Entry a component added, its id and its failure times.

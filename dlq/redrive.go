@@ -127,8 +127,8 @@ type DB interface {
 // transaction, and retention keeps every consumer's inbox rows of the message for its
 // InboxRetention from then (see package retention).
 //
-// Side-effect calls (ErrCallNotRedrivable) and messages without an id (ErrNoMessageID) are refused
-// before anything moves. An empty filter is
+// Side-effect calls (ErrCallNotRedrivable) and messages without an id (ErrNoMessageID) or a topic
+// (ErrNoTopic) are refused before anything moves. An empty filter is
 // refused unless Filter.All is set (ErrEmptyFilter).
 func (a *Admin) Redrive(ctx context.Context, db DB, f Filter, opts RedriveOptions) (RedriveResult, error) {
 	if err := f.validate(); err != nil {
@@ -202,7 +202,7 @@ func contextErr(ctx context.Context, err error) error {
 }
 
 // plan counts the selection per topic, refuses what cannot go back to the outbox (calls, messages
-// without an id), and fixes the selection's bounds.
+// without an id or a topic), and fixes the selection's bounds.
 func (a *Admin) plan(ctx context.Context, db Queryer, f Filter) (RedriveResult, window, error) {
 	var (
 		res     RedriveResult
@@ -210,7 +210,7 @@ func (a *Admin) plan(ctx context.Context, db Queryer, f Filter) (RedriveResult, 
 			err     error
 			letters int
 			first   []int64 // The first few ids of each group of them.
-		}{{err: ErrCallNotRedrivable}, {err: ErrNoMessageID}}
+		}{{err: ErrCallNotRedrivable}, {err: ErrNoMessageID}, {err: ErrNoTopic}}
 		maxID int64
 		asOf  time.Time
 	)
@@ -238,6 +238,8 @@ func (a *Admin) plan(ctx context.Context, db Queryer, f Filter) (RedriveResult, 
 			r = 0
 		case noID:
 			r = 1
+		case tc.Topic == "":
+			r = 2
 		}
 		if r >= 0 {
 			refused[r].letters += tc.Letters

@@ -182,9 +182,10 @@ func TestRedriveConcurrentRedrivesMoveEachLetterOnce(t *testing.T) {
 func TestRedriveRefusesWhatCannotGoBackToTheOutbox(t *testing.T) {
 	t.Parallel()
 	for name, c := range map[string]struct {
-		bad    dlq.Entry
-		want   error
-		narrow dlq.Filter
+		bad     dlq.Entry
+		noTopic bool // the test bundle's add gives every letter one
+		want    error
+		narrow  dlq.Filter
 	}{
 		"call": {
 			bad: dlq.Entry{UUID: "c-1", Source: dlq.SourceRelay, Kind: "call", Topic: "charges.replies",
@@ -195,6 +196,11 @@ func TestRedriveRefusesWhatCannotGoBackToTheOutbox(t *testing.T) {
 			bad:  dlq.Entry{Source: dlq.SourceRelay, Topic: "orders", Reason: "no usable id"},
 			want: dlq.ErrNoMessageID, narrow: dlq.Filter{Source: dlq.SourceRelay, Reason: "exhausted"},
 		},
+		// An inbox outside a router knows no topic.
+		"message without a topic": {
+			bad: dlq.Entry{UUID: "m-3", Source: dlq.SourceRelay, Reason: "no usable id"}, noTopic: true,
+			want: dlq.ErrNoTopic, narrow: dlq.Filter{Source: dlq.SourceRelay, Reason: "exhausted"},
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -202,6 +208,10 @@ func TestRedriveRefusesWhatCannotGoBackToTheOutbox(t *testing.T) {
 			ctx := context.Background()
 			tb.add(t, dlq.Entry{UUID: "m-1", Source: dlq.SourceRelay, Topic: "orders", Reason: "attempts exhausted"})
 			bad := tb.add(t, c.bad)
+			if c.noTopic {
+				_, err := tb.env.Pool.Exec(ctx, "UPDATE "+tb.env.Q("txbox_dlq")+" SET topic = '' WHERE id = $1", bad)
+				require.NoError(t, err)
+			}
 			tb.add(t, dlq.Entry{UUID: "m-2", Source: dlq.SourceRelay, Topic: "orders", Reason: "attempts exhausted"})
 
 			for _, dry := range []bool{true, false} {

@@ -125,14 +125,15 @@ func (s *KafkaSink) transactionTimeout() time.Duration {
 func outboxPrefix(id string) string { return "txbox-" + id }
 
 // bindOutbox gives a sink whose TransactionalIDPrefix was not specified the prefix of the outbox
-// whose relay runs it, and refuses a second outbox. It returns the prefix in use.
-func (s *KafkaSink) bindOutbox(id string) (string, error) {
+// whose relay runs it, and refuses a second outbox, unless it replaces the outbox the sink served
+// (replacing, its identity): that one was made anew. It returns the prefix in use.
+func (s *KafkaSink) bindOutbox(id, replacing string) (string, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	switch {
 	case s.cfg.TransactionalIDPrefix != "":
 		return s.prefix, nil
-	case s.prefix == "":
+	case s.prefix == "", replacing != "" && s.prefix == outboxPrefix(replacing):
 		s.prefix = outboxPrefix(id)
 	case s.prefix != outboxPrefix(id):
 		return "", errors.New("relay: one KafkaSink without a KafkaConfig.TransactionalIDPrefix serves the relays of two outboxes, " +

@@ -9,10 +9,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/proctest"
+	"github.com/txbox/txbox/migrations"
 	"github.com/txbox/txbox/relay"
 )
 
@@ -225,4 +227,46 @@ func TestARelayLogsARelayOfAnOlderVersionThatJoinsIt(t *testing.T) {
 	require.Contains(t, logs.String(), "a version before migration 00012")
 	time.Sleep(2 * time.Second) // several balance rounds
 	require.Equal(t, 1, strings.Count(logs.String(), "relay=old-relay"), "said once")
+}
+
+// txbox migrate down and up under a running relay that publishes with the outbox's default
+// prefix: the new outbox has a new identity, and so a new prefix. The relay carries on in it,
+// registered with the new prefix (so a relay started there is not refused as one of another
+// prefix), and ready. Before, it stayed live holding no shard, reported ready, and made any new
+// relay fail to start.
+func TestARelayCarriesOnWhenItsOutboxIsMadeAnew(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	c := b.collect(t)
+	logs := &proctest.Buffer{}
+	withDefaultPrefix := func(logs *proctest.Buffer) func(*relay.Config) {
+		return func(cfg *relay.Config) {
+			sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: kafkatest.Brokers(t)})
+			require.NoError(t, err)
+			cfg.Sink = sink
+			cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+		}
+	}
+	r := b.startRelay(t, withDefaultPrefix(logs))
+	before := b.write(t, true, "k", 3)
+	require.Eventually(t, func() bool { return c.has(before...) && b.pending(t) == 0 }, 30*time.Second, 20*time.Millisecond)
+
+	db := stdlib.OpenDBFromPool(b.env.Pool)
+	t.Cleanup(func() { _ = db.Close() })
+	ctx := context.Background()
+	_, err := migrations.Down(ctx, db, migrations.WithSchema(b.env.Schema))
+	require.NoError(t, err)
+	_, err = migrations.Up(ctx, db, migrations.WithSchema(b.env.Schema))
+	require.NoError(t, err)
+
+	after := b.write(t, true, "k", 3)
+	require.Eventually(t, func() bool { return c.has(after...) }, 30*time.Second, 20*time.Millisecond,
+		"the relay publishes the new outbox's rows:\n%s", logs)
+	require.Contains(t, logs.String(), "the outbox was made anew")
+	require.Eventually(t, func() bool { return r.Ready() == nil }, 30*time.Second, 20*time.Millisecond)
+
+	// A relay started in the new outbox meets the running one under the same prefix.
+	second := b.startRelay(t, withDefaultPrefix(&proctest.Buffer{}))
+	require.Eventually(t, func() bool { return len(second.Shards()) > 0 }, 30*time.Second, 20*time.Millisecond,
+		"the relay started in the new outbox takes its share")
 }

@@ -91,6 +91,19 @@ func TestReadyNamesWhatKeepsTheRelayFromWorking(t *testing.T) {
 	db.down.Store(false)
 	require.Eventually(t, ready, 30*time.Second, 10*time.Millisecond, "database back: %v", r.Ready())
 
+	// The lease table lost its leases (its rows were deleted), and a live relay of another layout
+	// keeps this one from making them again.
+	_, err = b.env.Pool.Exec(ctx, "INSERT INTO "+b.env.Q("txbox_relay_node")+
+		" (owner, expires_at, shards) VALUES ('other-layout', now() + interval '1 hour', 8)")
+	require.NoError(t, err)
+	_, err = b.env.Pool.Exec(ctx, "DELETE FROM "+b.env.Q("txbox_lease"))
+	require.NoError(t, err)
+	require.Eventually(t, notReadyFor("leases: relay: Config.Shards is 4 but running relays"), 30*time.Second, 10*time.Millisecond,
+		"leases cannot be made: %v", r.Ready())
+	_, err = b.env.Pool.Exec(ctx, "DELETE FROM "+b.env.Q("txbox_relay_node")+" WHERE owner = 'other-layout'")
+	require.NoError(t, err)
+	require.Eventually(t, ready, 30*time.Second, 10*time.Millisecond, "leases made again: %v", r.Ready())
+
 	cancel()
 	require.NoError(t, <-done)
 	done <- nil // for the cleanup

@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -139,18 +141,20 @@ type Relay struct {
 	liveSeen  atomic.Int64
 	probedAt  time.Time
 	// prefix is the Kafka transactional IDs' prefix ("" without transactions), set by Run before
-	// anything else runs.
-	prefix string
+	// anything else runs; outboxID is the outbox identity it derives from ("" when the prefix was
+	// configured). Both change only when the outbox is made anew (balance), on Run's goroutine.
+	prefix, outboxID string
 	// warnedOf is the last relay balance found publishing beside this one with another prefix
 	// (warnOtherPrefix), used by Run's goroutine only.
 	warnedOf string
 
-	mu      sync.Mutex
-	held    map[int]*lease
-	running bool           // from a successful start until the stop begins, for Ready
-	sinkErr error          // why the broker did not answer at start-up (awaitSink), for Ready
-	dbErr   error          // why the last round of leases failed; nil once the database answers
-	winding sync.WaitGroup // workers of dropped or released leases, still stopping
+	mu        sync.Mutex
+	held      map[int]*lease
+	running   bool           // from a successful start until the stop begins, for Ready
+	sinkErr   error          // why the broker did not answer at start-up (awaitSink), for Ready
+	dbErr     error          // why the last round of leases failed; nil once the database answers
+	layoutErr error          // why the missing leases could not be made; nil once they need not be
+	winding   sync.WaitGroup // workers of dropped or released leases, still stopping
 }
 
 // New validates cfg and returns a Relay.
@@ -308,7 +312,7 @@ func (r *Relay) checkPrefix(ctx context.Context, tx pgx.Tx) error {
 	if err := tx.QueryRow(ctx, r.sql.identity).Scan(&id); err != nil {
 		return fmt.Errorf("relay: read the outbox's identity (migration 00012): %w", err)
 	}
-	prefix, err := k.bindOutbox(id)
+	prefix, err := k.bindOutbox(id, r.outboxID)
 	if err != nil {
 		return err
 	}
@@ -340,6 +344,9 @@ func (r *Relay) checkPrefix(ctx context.Context, tx pgx.Tx) error {
 		return fmt.Errorf("relay: check the transactional-ID prefix: %w", err)
 	}
 	r.prefix = prefix
+	if k.cfg.TransactionalIDPrefix == "" {
+		r.outboxID = id
+	}
 	return nil
 }
 
@@ -645,9 +652,26 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 	}
 	// Who is alive and when the next lease or relay of others runs out are read at one instant:
 	// a relay counted alive here is the expiry to wake up for.
-	var live int
-	var wake *int64
+	var (
+		live   int
+		wake   *int64
+		newID  string
+		layout error // why the missing leases could not be made, for Ready
+	)
+	defer func() { r.setLayoutErr(layout) }()
 	err := r.bounded(round, func(tx pgx.Tx) error {
+		if r.outboxID != "" {
+			// Read before the heartbeat, so that a relay never registers in an outbox made anew
+			// with the prefix of the one before: relays that start there would be refused.
+			var id string
+			if err := tx.QueryRow(round, r.sql.identity).Scan(&id); err != nil {
+				return err
+			}
+			if id != r.outboxID {
+				newID = id
+				return nil
+			}
+		}
 		if _, err := tx.Exec(round, r.sql.heartbeat, r.cfg.Owner, ttl, r.prefix, r.cfg.Shards); err != nil {
 			return err
 		}
@@ -667,6 +691,26 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 		return next
 	}
 	r.dbOK()
+	if newID != "" {
+		// txbox migrate down and up under the running relay: every table is new, and so is the
+		// identity its default prefix derives from. Its leases went with the old tables; a
+		// producer left open on one would publish under the old prefix.
+		r.log.Warn("the outbox was made anew (migrated down and up): its transactional-ID prefix derives from its new identity",
+			"old_prefix", r.prefix, "prefix", outboxPrefix(newID))
+		r.mu.Lock()
+		held := slices.Collect(maps.Values(r.held))
+		r.mu.Unlock()
+		for _, l := range held {
+			r.drop(l, "the outbox was made anew")
+		}
+		if err := r.prepareLeases(round); err != nil {
+			layout = err
+			r.log.Error("could not make the leases of the new outbox", "error", err)
+			return next
+		}
+		r.log.Info("relay registered in the new outbox", "transactional_id_prefix", r.prefix)
+		return 0 // Take the leases now.
+	}
 	r.liveSeen.Store(int64(live))
 	if wake != nil {
 		next = min(next, max(time.Duration(*wake)*time.Millisecond, 0)+expirySlack)
@@ -708,6 +752,7 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 			// without them no relay would ever hold those shards again, their rows left unpublished.
 			r.log.Warn("the lease table lacks leases of this layout; making them again", "missing", missing, "shards", r.cfg.Shards)
 			if err := r.prepareLeases(round); err != nil {
+				layout = err
 				r.log.Error("could not make the missing leases", "error", err)
 			} else {
 				next = 0 // Take them now.
@@ -973,6 +1018,13 @@ func (r *Relay) logDB(what string, err error) {
 	}
 }
 
+// setLayoutErr keeps for Ready why the last balance could not make the leases it lacked.
+func (r *Relay) setLayoutErr(err error) {
+	r.mu.Lock()
+	r.layoutErr = err
+	r.mu.Unlock()
+}
+
 func (r *Relay) dbOK() {
 	r.mu.Lock()
 	was := r.dbErr != nil
@@ -987,13 +1039,13 @@ func (r *Relay) dbOK() {
 var ErrNotReady = errors.New("relay: not ready")
 
 // Ready reports whether the relay is doing its work: nil while Run runs, the database answered
-// the relay's last round of leases and no shard meets an outage of Kafka or of the calls'
-// provider; otherwise an error wrapping ErrNotReady that says what is wrong (all of it). txbox
+// the relay's last round of leases, the relay could make the leases the table lacked, and no
+// shard meets an outage of Kafka or of the calls' provider; otherwise an error wrapping ErrNotReady that says what is wrong (all of it). txbox
 // relay serves it at /readyz, so that a rolling deployment waits for a new relay to start and an
 // orchestrator sees one that cannot work.
 func (r *Relay) Ready() error {
 	r.mu.Lock()
-	running, dbErr, sinkErr := r.running, r.dbErr, r.sinkErr
+	running, dbErr, sinkErr, layoutErr := r.running, r.dbErr, r.sinkErr, r.layoutErr
 	r.mu.Unlock()
 	switch {
 	case !running && sinkErr != nil:
@@ -1004,6 +1056,9 @@ func (r *Relay) Ready() error {
 	var problems []error
 	if dbErr != nil {
 		problems = append(problems, fmt.Errorf("database: %w", dbErr))
+	}
+	if layoutErr != nil {
+		problems = append(problems, fmt.Errorf("leases: %w", layoutErr))
 	}
 	for _, o := range []*outage{r.publishing, r.calling} {
 		if err := o.err(); err != nil {
