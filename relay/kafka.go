@@ -66,8 +66,12 @@ func NewKafkaSink(cfg KafkaConfig) (*KafkaSink, error) {
 		return nil, errors.New("relay: KafkaConfig.Brokers is required")
 	}
 	for _, b := range cfg.Brokers {
-		if _, port, err := net.SplitHostPort(b); err != nil || port == "" || strings.TrimSpace(b) != b {
+		_, port, err := net.SplitHostPort(b)
+		if err != nil || port == "" || strings.TrimSpace(b) != b {
 			return nil, fmt.Errorf("relay: KafkaConfig.Brokers: %q is not a host:port address", b)
+		}
+		if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+			return nil, fmt.Errorf("relay: KafkaConfig.Brokers: %q: the port must be a number from 1 to 65535", b)
 		}
 	}
 	if strings.ContainsFunc(cfg.TransactionalIDPrefix, func(r rune) bool { return r < 0x20 || r == 0x7f }) {

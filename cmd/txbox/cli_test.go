@@ -163,7 +163,9 @@ func TestUsageErrors(t *testing.T) {
 		{args: []string{"version", "extra"}, want: []string{`unknown command "extra"`}},
 
 		// Connection and schema.
-		{args: []string{"status"}, env: map[string]string{"TXBOX_DATABASE_URL": ""}, want: []string{"--database-url / TXBOX_DATABASE_URL is required"}},
+		{args: []string{"status"}, env: map[string]string{"TXBOX_DATABASE_URL": ""}, want: []string{"--database-url / TXBOX_DATABASE_URL is set but empty\n"}},
+		// A template that rendered nothing, not a request for the default.
+		{args: relay, env: map[string]string{"TXBOX_LEASE_TTL": ""}, want: []string{"--lease-ttl / TXBOX_LEASE_TTL is set but empty; unset the variable for the default"}},
 		{args: []string{"status", "--database-url", "postgres://app:hunter2@db:notaport/app"}, want: []string{"--database-url / TXBOX_DATABASE_URL is not a valid PostgreSQL connection string"}},
 		{args: []string{"status", "--database-url", ""}, want: []string{"--database-url / TXBOX_DATABASE_URL must not be empty"}},
 		{args: []string{"dlq", "list", "--schema", ""}, want: []string{"--schema / TXBOX_SCHEMA must not be empty (leave it out for public)"}},
@@ -194,6 +196,9 @@ func TestUsageErrors(t *testing.T) {
 		{args: []string{"relay"}, want: []string{"--kafka-brokers / TXBOX_KAFKA_BROKERS is required"}},
 		{args: []string{"relay", "--kafka-brokers", "k1:9092,"}, want: []string{"--kafka-brokers / TXBOX_KAFKA_BROKERS must be a comma-separated list"}},
 		{args: []string{"relay", "--kafka-brokers", "k1"}, want: []string{`--kafka-brokers / TXBOX_KAFKA_BROKERS must be host:port, got "k1"`}},
+		{args: []string{"relay", "--kafka-brokers", "k1:99999"}, want: []string{`--kafka-brokers / TXBOX_KAFKA_BROKERS must be host:port with a port number up to 65535, got "k1:99999"`}},
+		{args: []string{"relay", "--kafka-brokers", "k1:kafka"}, want: []string{`--kafka-brokers / TXBOX_KAFKA_BROKERS must be host:port with a port number up to 65535, got "k1:kafka"`}},
+		{args: []string{"relay", "--kafka-brokers", "k1:0"}, want: []string{`--kafka-brokers / TXBOX_KAFKA_BROKERS: "k1:0": the port must be a number from 1 to 65535`}},
 		{args: append(relay, "--shards", "7"), want: []string{"--shards / TXBOX_SHARDS must divide 256 (1, 2, 4, ... 256), got 7"}},
 		{args: relay, env: map[string]string{"TXBOX_SHARDS": "7"}, want: []string{"--shards / TXBOX_SHARDS must divide 256 (1, 2, 4, ... 256), got 7"}},
 		{args: append(relay, "--shards", "0"), want: []string{"--shards / TXBOX_SHARDS must divide 256"}},

@@ -81,6 +81,12 @@ func (a *app) setting(fs *pflag.FlagSet, v pflag.Value, name, env, usage string)
 	return f
 }
 
+// getenv is the variable's value, "" when it is not set.
+func (a *app) getenv(name string) string {
+	v, _ := a.lookupEnv(name)
+	return v
+}
+
 // applyEnv is the one env fallback: every flag not given on the command line takes its
 // variable's value, through the same parsing and bounds as the flag. It then checks that required
 // flags were given one way or the other.
@@ -91,7 +97,17 @@ func (a *app) applyEnv(fs *pflag.FlagSet) error {
 		if env == "" || f.Changed {
 			return
 		}
-		if v := a.getenv(env); v != "" {
+		v, set := a.lookupEnv(env)
+		switch {
+		case !set:
+		case v == "":
+			// Most often a template that rendered nothing: taking the default would hide it.
+			hint := "; unset the variable for the default"
+			if annotation(f, annRequired) != "" {
+				hint = ""
+			}
+			errs = append(errs, usagef("%s is set but empty%s", ref(f), hint))
+		default:
 			if err := f.Value.Set(v); err != nil {
 				errs = append(errs, invalid(f, err))
 				return
@@ -316,8 +332,12 @@ func hostPort(allowEmpty bool) func(string) error {
 		if s == "" && allowEmpty {
 			return nil
 		}
-		if _, port, err := net.SplitHostPort(s); err != nil || port == "" {
+		_, port, err := net.SplitHostPort(s)
+		if err != nil || port == "" {
 			return fmt.Errorf("must be host:port, got %q", s)
+		}
+		if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+			return fmt.Errorf("must be host:port with a port number up to 65535, got %q", s)
 		}
 		return nil
 	}

@@ -32,14 +32,14 @@ import (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr)
+	code := run(ctx, os.Args[1:], os.LookupEnv, os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
 }
 
 // app is one invocation of txbox: its environment, its outputs and its logger.
 type app struct {
-	getenv         func(string) string
+	lookupEnv      func(string) (string, bool)
 	stdout, stderr io.Writer
 	log            *slog.Logger
 
@@ -48,8 +48,8 @@ type app struct {
 
 // run runs txbox with args and returns its exit status: 0, 1 for a failure, 2 for a usage error.
 // Errors go to stderr, sanitised, after "txbox: ".
-func run(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
-	a := &app{getenv: getenv, stdout: stdout, stderr: stderr, log: slog.New(slog.NewTextHandler(stderr, nil))}
+func run(ctx context.Context, args []string, lookupEnv func(string) (string, bool), stdout, stderr io.Writer) int {
+	a := &app{lookupEnv: lookupEnv, stdout: stdout, stderr: stderr, log: slog.New(slog.NewTextHandler(stderr, nil))}
 	root := a.rootCommand()
 	root.SetArgs(args)
 	cmd, err := root.ExecuteContextC(ctx)
