@@ -64,8 +64,8 @@ type callRelay struct {
 }
 
 // startCallRelay runs a relay that executes calls against the bundle's double with short backoffs.
-// Keep-alives are off: net/http silently re-sends a request with an Idempotency-Key on a broken
-// reused connection, which would hide a lost response from the relay.
+// Keep-alives are off, so that every call meets the double on a connection of its own
+// (TestALostResponseOnAReusedConnectionIsCountedAsAnAttempt runs with them on).
 func (b *callBundle) startCallRelay(t *testing.T, mutate func(*relay.Config)) *callRelay {
 	t.Helper()
 	reg := prometheus.NewRegistry()
@@ -278,6 +278,25 @@ func TestCallResponseLostAfterChargeIsReplayed(t *testing.T) {
 	require.Equal(t, 2, got.Attempts)
 	require.Equal(t, outbox.CallUUID(key), got.CallUUID)
 	require.JSONEq(t, res.body, string(got.Body))
+}
+
+// The same on a connection an earlier call left open: net/http would resend a request that
+// carries an Idempotency-Key there by itself, an attempt the relay never counted, logged or
+// spaced. Every request the provider sees is an attempt of the relay's.
+func TestALostResponseOnAReusedConnectionIsCountedAsAnAttempt(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	b.startCallRelay(t, func(cfg *relay.Config) { cfg.Calls.HTTPClient = nil }) // keep-alives on, as by default
+	b.enqueue(t, chargeCall("pay-first", 500))
+	b.waitResult(t, "pay-first")
+
+	key := "pay-lost-on-a-reused-connection"
+	b.stripe.Inject(stripetest.Fault{Kind: stripetest.FaultDropAfterCharge, Key: key})
+	b.enqueue(t, chargeCall(key, 1000))
+	res := b.waitResult(t, key)
+	require.Equal(t, 1, b.stripe.ChargesFor(key), "exactly one charge")
+	require.Equal(t, 2, b.stripe.RequestsFor(key))
+	require.Equal(t, 2, res.attempts, "the provider saw two requests")
 }
 
 // A call whose reply the outbox refuses (its metadata, which the reply carries, is larger than the

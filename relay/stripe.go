@@ -122,6 +122,15 @@ type wireKey struct{}
 type observingTransport struct{ base http.RoundTripper }
 
 func (t observingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.GetBody != nil {
+		// net/http resends by itself a request it can replay (its body can be had again) that
+		// carries an Idempotency-Key, when a kept-alive connection breaks before the response:
+		// the provider would see an attempt the relay never counted, logged or spaced. A copy
+		// without GetBody is sent once.
+		once := *req
+		once.GetBody = nil
+		req = &once
+	}
 	res, err := t.base.RoundTrip(req)
 	if w, ok := req.Context().Value(wireKey{}).(*wire); ok && res != nil {
 		w.mu.Lock()

@@ -21,8 +21,9 @@ const (
 	//
 	// net/http's Transport silently re-sends a request that has an
 	// Idempotency-Key header when a reused keep-alive connection fails
-	// before the response, which hides this fault from the caller; disable
-	// keep-alives on the client to observe it.
+	// before the response, which hides this fault from a plain client (the
+	// relay's sends each request once); disable keep-alives on such a client
+	// to observe it.
 	FaultDropAfterCharge FaultKind = iota + 1
 
 	// FaultSlow holds the response: the request executes immediately (the

@@ -84,7 +84,8 @@
 // library or net/http re-sent silently (net/http's Transport re-sends a
 // request carrying an Idempotency-Key header when a reused keep-alive
 // connection fails before the response; tests of [FaultDropAfterCharge]
-// should disable keep-alives on the client to observe the dropped response).
+// through a plain client should disable keep-alives on it to observe the
+// dropped response; the relay's client sends each request once).
 package stripetest
 
 import (
