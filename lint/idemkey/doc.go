@@ -38,7 +38,8 @@
 //     http.Request literal with a constant method of POST, PUT, PATCH or
 //     DELETE, and no Idempotency-Key header is set on it in that function,
 //     by req.Header.Set, req.Header.Add, req.Header["Idempotency-Key"] = …
-//     or a Header literal (the name is compared case-insensitively);
+//     or a Header literal (the name is compared case-insensitively; a
+//     Set or Add of a constant blank value sets none);
 //   - mutating stripe-go calls (any major version; functions such as
 //     charge.New and methods such as sc.V1Charges.Create whose name starts
 //     with a write verb: New, Create, Update, Cancel, Capture, Confirm, Del,

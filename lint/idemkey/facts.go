@@ -475,6 +475,12 @@ func (f *facts) isKeyName(e ast.Expr) bool {
 	return !ok || strings.EqualFold(name, idempotencyHeader)
 }
 
+// isBlank reports whether e is a constant string of nothing but spaces.
+func (f *facts) isBlank(e ast.Expr) bool {
+	s, ok := constString(f.info, e)
+	return ok && strings.TrimSpace(s) == ""
+}
+
 func (f *facts) isNil(e ast.Expr) bool {
 	tv, ok := f.info.Types[ast.Unparen(e)]
 	return ok && tv.IsNil()
@@ -490,7 +496,9 @@ func (f *facts) call(call *ast.CallExpr) {
 	recv, args := recvAndArgs(f.info, call)
 	switch {
 	case isMethod(fn, httpPkg, "Header", "Set"), isMethod(fn, httpPkg, "Header", "Add"):
-		if recv != nil && len(args) > 0 && f.isKeyName(args[0]) {
+		// A key that is a constant blank string is no key: the provider would take every such
+		// request as a new one (or all of them as one).
+		if recv != nil && len(args) > 1 && f.isKeyName(args[0]) && !f.isBlank(args[1]) {
 			if target := f.resolve(recv); target != nil {
 				f.val(target).keySet = true
 			}

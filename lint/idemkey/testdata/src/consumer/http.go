@@ -124,3 +124,11 @@ var handleRefund = func(msg *message.Message) error {
 	_, err := http.PostForm(api, nil) // want `^http\.PostForm in a Watermill handler`
 	return err
 }
+
+// An empty key is no key.
+func (c *Consumer) HandleEmptyKey(msg *message.Message) error {
+	req, _ := http.NewRequest(http.MethodPost, api, nil)
+	req.Header.Set("Idempotency-Key", "")
+	_, err := c.client.Do(req) // want `^\(\*http\.Client\)\.Do of a POST request`
+	return err
+}
