@@ -227,7 +227,7 @@ func (s *Server) mutating(h http.HandlerFunc) http.HandlerFunc {
 			return
 		}
 		if !ok || sess.operator == "" {
-			s.refuse(w, r, "", "no operator is signed in")
+			s.refuse(w, r, "", "no operator is signed in; sign in first")
 			return
 		}
 		r.Body = http.MaxBytesReader(w, r.Body, maxFormBytes)

@@ -1040,9 +1040,10 @@ var ErrNotReady = errors.New("relay: not ready")
 
 // Ready reports whether the relay is doing its work: nil while Run runs, the database answered
 // the relay's last round of leases, the relay could make the leases the table lacked, and no
-// shard meets an outage of Kafka or of the calls' provider; otherwise an error wrapping ErrNotReady that says what is wrong (all of it). txbox
-// relay serves it at /readyz, so that a rolling deployment waits for a new relay to start and an
-// orchestrator sees one that cannot work.
+// shard meets an outage of Kafka or of the calls' provider; otherwise an error wrapping
+// ErrNotReady that says what is wrong (all of it). txbox relay serves it at /readyz, so that a
+// rolling deployment waits for a new relay to start and an orchestrator sees one that cannot
+// work.
 func (r *Relay) Ready() error {
 	r.mu.Lock()
 	running, dbErr, sinkErr, layoutErr := r.running, r.dbErr, r.sinkErr, r.layoutErr
