@@ -187,9 +187,7 @@ func (l *lease) runCalls() bool {
 			return false
 		case err != nil:
 			c.failures++
-			if c.failures == 1 {
-				r.calling.fail(l.shard, err)
-			}
+			r.calling.fail(l.shard, err)
 			l.wait(backoff(c.failures))
 		default:
 			if c.failures > 0 {

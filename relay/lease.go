@@ -155,9 +155,7 @@ func (l *lease) run() (fenced bool) {
 		case err != nil:
 			l.failures++
 			r.metrics.PublishErrors.Inc()
-			if l.failures == 1 {
-				r.publishing.fail(l.shard, err)
-			}
+			r.publishing.fail(l.shard, err)
 			// A failed Kafka transaction can leave the producer unusable; a fresh one is cheap.
 			if pub != nil {
 				_ = pub.Close()

@@ -8,22 +8,22 @@ import (
 
 // outage logs a failure that every shard meets at once when a dependency goes away (Kafka, the
 // provider of side-effect calls): once when the first shard meets it and once when the last one
-// recovers, rather than once per shard. Each shard tells it of its own first failure (fail) and of
-// its recovery or its end (settle); retries in between are the shard's business. While an outage
-// lasts, err says so, for Ready.
+// recovers, rather than once per shard. Each shard tells it of each of its failures (fail) and of
+// its recovery or its end (settle). While an outage lasts, err says so, for Ready, with the latest
+// failure: the one that says what is wrong now.
 type outage struct {
 	log     *slog.Logger
 	what    string // what fails: "publishing", "executing calls"
 	mu      sync.Mutex
 	failing map[int]bool
-	last    error // the failure that the latest shard to start failing met
+	last    error // the latest failure of any shard
 }
 
 func newOutage(log *slog.Logger, what string) *outage {
 	return &outage{log: log, what: what, failing: map[int]bool{}}
 }
 
-// fail records that shard has started failing with err.
+// fail records that shard failed with err.
 func (o *outage) fail(shard int, err error) {
 	o.mu.Lock()
 	first := len(o.failing) == 0

@@ -85,8 +85,15 @@ func TestReadyNamesWhatKeepsTheRelayFromWorking(t *testing.T) {
 	require.Eventually(t, ready, 60*time.Second, 10*time.Millisecond, "Kafka thawed: %v", r.Ready())
 	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
 
+	// The database shuts down, then refuses connections: Ready says what is wrong now.
+	db.downWith.Store(errors.New("injected fault: the database system is shutting down"))
 	db.down.Store(true)
-	require.Eventually(t, notReadyFor("database: "), 30*time.Second, 10*time.Millisecond, "database down: %v", r.Ready())
+	require.Eventually(t, notReadyFor("publishing fails on"), 30*time.Second, 10*time.Millisecond, "database down: %v", r.Ready())
+	db.downWith.Store(errUnreachable)
+	require.Eventually(t, func() bool {
+		err := r.Ready()
+		return notReadyFor("database: ")() && notReadyFor("publishing fails on")() && !strings.Contains(err.Error(), "shutting down")
+	}, 30*time.Second, 10*time.Millisecond, "the latest failure, not the outage's first: %v", r.Ready())
 	require.ErrorIs(t, r.Ready(), errUnreachable, "the cause is kept")
 	db.down.Store(false)
 	require.Eventually(t, ready, 30*time.Second, 10*time.Millisecond, "database back: %v", r.Ready())

@@ -28,6 +28,7 @@ type flakyDB struct {
 	failNext atomic.Bool
 	failed   atomic.Int64
 	down     atomic.Bool
+	downWith atomic.Value // the error of every batch while down, when set; errUnreachable otherwise
 }
 
 var errUnreachable = errors.New("injected fault: dial tcp: connection refused")
@@ -36,7 +37,11 @@ var errUnreachable = errors.New("injected fault: dial tcp: connection refused")
 // first), the way the relay starts every transaction.
 func (d *flakyDB) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	if d.down.Load() {
-		return pgx.FailedBatchResults(b, errUnreachable)
+		err, ok := d.downWith.Load().(error)
+		if !ok {
+			err = errUnreachable
+		}
+		return pgx.FailedBatchResults(b, err)
 	}
 	if beginsTransaction(b) && d.failNext.CompareAndSwap(true, false) {
 		d.failed.Add(1)
