@@ -135,7 +135,12 @@ func (a *app) relayCommand() *cobra.Command {
 		if err != nil {
 			return usagef("%v", fieldNames(cmd, err))
 		}
-		a.logStart(cmd, "owner", r.Owner(), "side_effect_calls", calls != nil)
+		resolved := []any{"owner", r.Owner(), "side_effect_calls", calls != nil}
+		if s.txPrefix == "" && s.transactional {
+			// Derived once the relay reads the outbox; its "relay started" line gives it.
+			resolved = append(resolved, "transactional_id_prefix", "the outbox's default (txbox-<its identity>)")
+		}
+		a.logStart(cmd, resolved...)
 		if calls == nil {
 			a.log.Info("side-effect calls are not executed: " + relay.APIKeyEnvVar + " is not set")
 		}
