@@ -32,7 +32,11 @@ var (
 	// ErrNoTopic is returned by Redrive when the filter selects the letter of a message whose topic
 	// is not known: an inbox used outside a Watermill router cannot tell which topic a message came
 	// from. Publish what should still be processed yourself, then discard the letter.
-	ErrNoTopic = errors.New("dlq: letters of messages without a topic cannot be redriven; publish their payloads again yourself if they should be processed, then discard them")
+	// ErrTooLarge is returned by Redrive when the filter selects a letter whose payload is over the
+	// outbox's limit (AdminConfig.Outbox's MaxPayloadBytes): the inbox dead-letters messages over
+	// its own limit, and the outbox would refuse them the same way.
+	ErrTooLarge = errors.New("dlq: letters whose payload is over the outbox's limit cannot be redriven; discard them, or redrive through an outbox.Writer with a higher MaxPayloadBytes")
+	ErrNoTopic  = errors.New("dlq: letters of messages without a topic cannot be redriven; publish their payloads again yourself if they should be processed, then discard them")
 )
 
 // Letter is one dead letter as stored: the Entry a component added, its id and its failure times.

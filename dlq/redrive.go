@@ -127,8 +127,9 @@ type DB interface {
 // transaction, and retention keeps every consumer's inbox rows of the message for its
 // InboxRetention from then (see package retention).
 //
-// Side-effect calls (ErrCallNotRedrivable) and messages without an id (ErrNoMessageID) or a topic
-// (ErrNoTopic) are refused before anything moves. An empty filter is
+// Side-effect calls (ErrCallNotRedrivable), messages without an id (ErrNoMessageID) or a topic
+// (ErrNoTopic), and payloads over the outbox's limit (ErrTooLarge) are refused before anything
+// moves. An empty filter is
 // refused unless Filter.All is set (ErrEmptyFilter).
 func (a *Admin) Redrive(ctx context.Context, db DB, f Filter, opts RedriveOptions) (RedriveResult, error) {
 	if err := f.validate(); err != nil {
@@ -202,7 +203,7 @@ func contextErr(ctx context.Context, err error) error {
 }
 
 // plan counts the selection per topic, refuses what cannot go back to the outbox (calls, messages
-// without an id or a topic), and fixes the selection's bounds.
+// without an id or a topic, payloads the outbox would refuse), and fixes the selection's bounds.
 func (a *Admin) plan(ctx context.Context, db Queryer, f Filter) (RedriveResult, window, error) {
 	var (
 		res     RedriveResult
@@ -210,23 +211,23 @@ func (a *Admin) plan(ctx context.Context, db Queryer, f Filter) (RedriveResult, 
 			err     error
 			letters int
 			first   []int64 // The first few ids of each group of them.
-		}{{err: ErrCallNotRedrivable}, {err: ErrNoMessageID}, {err: ErrNoTopic}}
+		}{{err: ErrCallNotRedrivable}, {err: ErrNoMessageID}, {err: ErrNoTopic}, {err: ErrTooLarge}}
 		maxID int64
 		asOf  time.Time
 	)
-	rows, err := db.Query(ctx, a.sql.plan, f.args(window{limit: f.Limit})...)
+	rows, err := db.Query(ctx, a.sql.plan, append(f.args(window{limit: f.Limit}), a.outbox.MaxPayloadBytes())...)
 	if err != nil {
 		return res, window{}, fmt.Errorf("dlq: plan redrive: %w", err)
 	}
 	defer rows.Close()
 	for rows.Next() {
 		var (
-			tc    TopicCount
-			noID  bool
-			first []int64
-			top   int64
+			tc             TopicCount
+			noID, tooLarge bool
+			first          []int64
+			top            int64
 		)
-		if err := rows.Scan(&tc.Topic, &tc.Kind, &noID, &tc.Letters, &first, &top, &asOf); err != nil {
+		if err := rows.Scan(&tc.Topic, &tc.Kind, &noID, &tooLarge, &tc.Letters, &first, &top, &asOf); err != nil {
 			return res, window{}, fmt.Errorf("dlq: plan redrive: %w", err)
 		}
 		res.Topics = append(res.Topics, tc)
@@ -240,6 +241,8 @@ func (a *Admin) plan(ctx context.Context, db Queryer, f Filter) (RedriveResult, 
 			r = 1
 		case tc.Topic == "":
 			r = 2
+		case tooLarge:
+			r = 3
 		}
 		if r >= 0 {
 			refused[r].letters += tc.Letters

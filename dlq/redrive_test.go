@@ -201,6 +201,12 @@ func TestRedriveRefusesWhatCannotGoBackToTheOutbox(t *testing.T) {
 			bad: dlq.Entry{UUID: "m-3", Source: dlq.SourceRelay, Reason: "no usable id"}, noTopic: true,
 			want: dlq.ErrNoTopic, narrow: dlq.Filter{Source: dlq.SourceRelay, Reason: "exhausted"},
 		},
+		// The inbox dead-letters what is over its limit; the outbox would refuse it the same way.
+		"payload over the outbox's limit": {
+			bad: dlq.Entry{UUID: "m-4", Source: dlq.SourceRelay, Topic: "orders", Reason: "payload too large",
+				Payload: make([]byte, outbox.DefaultMaxPayloadBytes+1)},
+			want: dlq.ErrTooLarge, narrow: dlq.Filter{Source: dlq.SourceRelay, Reason: "exhausted"},
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()

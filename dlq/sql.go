@@ -62,15 +62,17 @@ const discardSQL = `
 DELETE FROM {schema}.txbox_dlq
 WHERE id IN (SELECT id FROM {schema}.txbox_dlq WHERE ` + filterSQL + openWindowSQL + ` ORDER BY id LIMIT $12)`
 
-// planSQL sizes a redrive before it starts: the letters per topic, kind and whether their message
-// has an id, with the first few ids of each group for error messages, the highest id, and the
-// reference time the redrive's ages are measured from.
+// planSQL sizes a redrive before it starts: the letters per topic, kind, whether their message
+// has an id and whether its payload is over the outbox's limit ($14), with the first few ids of
+// each group for error messages, the highest id, and the reference time the redrive's ages are
+// measured from.
 const planSQL = `
-SELECT topic, kind, uuid = '', count(*), (array_agg(id ORDER BY id))[1:10], max(id), now()
+SELECT topic, kind, uuid = '', too_large, count(*), (array_agg(id ORDER BY id))[1:10], max(id), now()
 FROM (
-    SELECT id, topic, kind, uuid FROM {schema}.txbox_dlq WHERE ` + filterSQL + openWindowSQL + ` ORDER BY id LIMIT $12
+    SELECT id, topic, kind, uuid, octet_length(payload) > $14 AS too_large
+    FROM {schema}.txbox_dlq WHERE ` + filterSQL + openWindowSQL + ` ORDER BY id LIMIT $12
 ) AS s
-GROUP BY topic, kind, uuid = ''
+GROUP BY topic, kind, uuid = '', too_large
 ORDER BY min(id)`
 
 // lockBatchSQL takes the next batch of a redrive. The plan fixed the reference time $8 and the

@@ -83,6 +83,9 @@ func New(cfg Config) (*Writer, error) {
 	}, nil
 }
 
+// MaxPayloadBytes is the largest payload the Writer takes (Config.MaxPayloadBytes, resolved).
+func (w *Writer) MaxPayloadBytes() int { return w.maxPayloadBytes }
+
 // SetPartitionKey sets the key that orders msg relative to other messages with the same key and
 // becomes its Kafka record key. It returns msg for chaining.
 func SetPartitionKey(msg *message.Message, key string) *message.Message {

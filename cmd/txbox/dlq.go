@@ -272,7 +272,7 @@ func (a *app) dlqRedrive() *cobra.Command {
 		switch { // The selection is the flags'.
 		case errors.Is(err, dlq.ErrCallNotRedrivable):
 			return usagef("%v (narrow the selection: --kind message)", err)
-		case errors.Is(err, dlq.ErrNoMessageID), errors.Is(err, dlq.ErrNoTopic):
+		case errors.Is(err, dlq.ErrNoMessageID), errors.Is(err, dlq.ErrNoTopic), errors.Is(err, dlq.ErrTooLarge):
 			return usagef("%v (see one with txbox dlq show ID, discard them with txbox dlq discard --id, or narrow the selection)", err)
 		}
 		if err != nil {
