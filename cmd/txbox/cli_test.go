@@ -211,6 +211,7 @@ func TestUsageErrors(t *testing.T) {
 		{args: relay, env: map[string]string{"TXBOX_POLL_INTERVAL": "soon"}, want: []string{`--poll-interval / TXBOX_POLL_INTERVAL must be a duration from 1ms to 1m, written like 90s, 15m, 36h or 7d, got "soon"`}},
 		{args: append(relay, "--idle-poll-interval", "2m"), want: []string{`--idle-poll-interval / TXBOX_IDLE_POLL_INTERVAL must be a duration from 1ms to 1m`}},
 		{args: append(relay, "--poll-interval", "50ms", "--idle-poll-interval", "10ms"), want: []string{"--idle-poll-interval / TXBOX_IDLE_POLL_INTERVAL must be at least 50ms"}},
+		{args: append(relay, "--transactional", "false"), want: []string{`unknown command "false" for "txbox relay" (a true/false flag takes its value after =, as in --transactional=false)`}},
 		{args: append(relay, "--transactional=maybe"), want: []string{`--transactional / TXBOX_TRANSACTIONAL must be true or false, got "maybe"`}},
 		{args: append(relay, "--owner", " "), want: []string{"--owner / TXBOX_RELAY_OWNER must not be empty"}},
 		{args: append(relay, "--transactional-id-prefix", " "), want: []string{"--transactional-id-prefix / TXBOX_TRANSACTIONAL_ID_PREFIX must not be empty"}},

@@ -23,6 +23,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -105,6 +106,10 @@ func (a *app) rootCommand() *cobra.Command {
 func usageArgs(check cobra.PositionalArgs) cobra.PositionalArgs {
 	return func(cmd *cobra.Command, args []string) error {
 		if err := check(cmd, args); err != nil {
+			if slices.Contains(args, "true") || slices.Contains(args, "false") {
+				// "--transactional false" is the flag, then a stray argument.
+				return usagef("%v (a true/false flag takes its value after =, as in --transactional=false)", err)
+			}
 			return usagef("%v", err)
 		}
 		return nil

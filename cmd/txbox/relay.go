@@ -77,7 +77,7 @@ func (a *app) relayCommand() *cobra.Command {
 	annotate(f, annField, "Config.MinPublishBackoff")
 	f = a.setting(fs, durationIn(&s.maxPublishBackoff, time.Millisecond, 24*time.Hour), "max-publish-backoff", "TXBOX_MAX_PUBLISH_BACKOFF", "longest wait before a refused message is tried again")
 	annotate(f, annField, "Config.MaxPublishBackoff")
-	a.setting(fs, boolValue(&s.transactional), "transactional", "TXBOX_TRANSACTIONAL", "publish each batch as a Kafka transaction, fencing relays that lost their lease; false = idempotent producer only").NoOptDefVal = "true"
+	a.setting(fs, boolValue(&s.transactional), "transactional", "TXBOX_TRANSACTIONAL", "publish each batch as a Kafka transaction, fencing relays that lost their lease; --transactional=false (with the =) = idempotent producer only").NoOptDefVal = "true"
 	f = a.setting(fs, text(&s.stripeURL, httpURL), "stripe-base-url", "TXBOX_STRIPE_BASE_URL", "Stripe API address for side-effect calls, which run when "+relay.APIKeyEnvVar+" is set")
 	annotate(f, annField, "CallConfig.BaseURL")
 	f = a.setting(fs, durationIn(&s.replayWindow, time.Minute, 24*time.Hour-time.Minute), "call-replay-window", "TXBOX_CALL_REPLAY_WINDOW", "oldest first attempt a call may have when sent; older calls go to the DLQ for reconciliation (below 24h)")
