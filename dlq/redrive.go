@@ -233,20 +233,22 @@ func (a *Admin) plan(ctx context.Context, db Queryer, f Filter) (RedriveResult, 
 		res.Topics = append(res.Topics, tc)
 		res.Planned += tc.Letters
 		maxID = max(maxID, top)
-		r := -1
+		var why error
 		switch {
 		case tc.Kind == "call":
-			r = 0
+			why = ErrCallNotRedrivable
 		case noID:
-			r = 1
+			why = ErrNoMessageID
 		case tc.Topic == "":
-			r = 2
+			why = ErrNoTopic
 		case tooLarge:
-			r = 3
+			why = ErrTooLarge
 		}
-		if r >= 0 {
-			refused[r].letters += tc.Letters
-			refused[r].first = append(refused[r].first, first...)
+		for i := range refused {
+			if why != nil && refused[i].err == why {
+				refused[i].letters += tc.Letters
+				refused[i].first = append(refused[i].first, first...)
+			}
 		}
 	}
 	if err := rows.Err(); err != nil {
