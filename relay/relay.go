@@ -726,8 +726,14 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 			got     []*lease
 			missing int
 		)
-		err := r.bounded(round, func(tx pgx.Tx) error {
-			rows, err := tx.Query(round, r.sql.acquire, r.cfg.Owner, ttl, r.cfg.Shards, fair-n)
+		// A stop that comes while the leases are being taken must not cut the commit's answer
+		// off: the leases would be taken unknown to the relay, and held, unreleased, for a TTL.
+		// The taking finishes (bounded by the round's deadline), and the stop releases them.
+		deadline, _ := round.Deadline()
+		acquiring, stopAcquiring := context.WithDeadline(context.WithoutCancel(round), deadline)
+		defer stopAcquiring()
+		err := r.bounded(acquiring, func(tx pgx.Tx) error {
+			rows, err := tx.Query(acquiring, r.sql.acquire, r.cfg.Owner, ttl, r.cfg.Shards, fair-n)
 			if err != nil {
 				return err
 			}
@@ -738,7 +744,7 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 			if err != nil || len(got) == fair-n {
 				return err
 			}
-			return tx.QueryRow(round, r.sql.missingLeases, r.cfg.Shards).Scan(&missing)
+			return tx.QueryRow(acquiring, r.sql.missingLeases, r.cfg.Shards).Scan(&missing)
 		})
 		if err != nil {
 			r.logDB("acquire leases", err)
