@@ -147,6 +147,9 @@ type Relay struct {
 	// warnedOf is the last relay balance found publishing beside this one with another prefix
 	// (warnOtherPrefix), used by Run's goroutine only.
 	warnedOf string
+	// renewedAt is when the last renewal of held leases began (zero: none held then), used by
+	// Run's goroutine only.
+	renewedAt time.Time
 
 	mu        sync.Mutex
 	held      map[int]*lease
@@ -632,11 +635,17 @@ func timedOut(err error) bool {
 const expirySlack = 20 * time.Millisecond
 
 // balance renews the leases held, then takes or gives up leases so that each live relay holds its
-// fair share, and returns how long to wait before the next round: LeaseTTL/3, or less when another
-// relay's lease or heartbeat runs out sooner, so that a dead or frozen relay's shards are taken over
-// right when its leases run out. Errors are logged and retried on the next round: a relay whose
-// database is away loses its leases by expiry, and the fence keeps it from doing harm meanwhile.
+// fair share, and returns how long to wait before the next round: until LeaseTTL/3 after this
+// round began, or less when another relay's lease or heartbeat runs out sooner, so that a dead or
+// frozen relay's shards are taken over right when its leases run out. Errors are logged and
+// retried on the next round: a relay whose database is away loses its leases by expiry, and the
+// fence keeps it from doing harm meanwhile.
 func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Duration) {
+	// Renewals run every LeaseTTL/3 from the start of one to the start of the next, however long
+	// the round takes: waiting LeaseTTL/3 after a round that a loaded database or machine had
+	// slowed to a second left a 1.5 s lease to run out between two renewals, with nothing wrong.
+	began := time.Now()
+	defer func() { next = max(next-time.Since(began), 0) }()
 	next = r.cfg.LeaseTTL / 3
 	if ctx.Err() != nil {
 		return next
@@ -713,7 +722,7 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 	}
 	r.liveSeen.Store(int64(live))
 	if wake != nil {
-		next = min(next, max(time.Duration(*wake)*time.Millisecond, 0)+expirySlack)
+		next = min(next, time.Since(began)+max(time.Duration(*wake)*time.Millisecond, 0)+expirySlack)
 	}
 	fair := (r.cfg.Shards + max(live, 1) - 1) / max(live, 1)
 
@@ -790,8 +799,10 @@ func (r *Relay) renew(ctx context.Context, ttl int64) error {
 	}
 	r.mu.Unlock()
 	if len(shards) == 0 {
+		r.renewedAt = time.Time{}
 		return nil
 	}
+	began := time.Now()
 	var renewed []int32
 	err := r.bounded(ctx, func(tx pgx.Tx) error {
 		rows, err := tx.Query(ctx, r.sql.renew, shards, tokens, ttl)
@@ -804,6 +815,12 @@ func (r *Relay) renew(ctx context.Context, ttl int64) error {
 	if err != nil {
 		return err
 	}
+	if left := time.Until(r.renewedAt.Add(r.cfg.LeaseTTL)); !r.renewedAt.IsZero() && left < r.cfg.LeaseTTL/3 {
+		// A renewal is due LeaseTTL/3 after the last began and commits at once: a machine or
+		// database this busy is close to letting live leases run out (or has: left < 0).
+		r.log.Warn("leases renewed late: little of them was left", "left", left.Round(time.Millisecond), "lease_ttl", r.cfg.LeaseTTL)
+	}
+	r.renewedAt = began
 	kept := make(map[int]bool, len(renewed))
 	for _, s := range renewed {
 		kept[int(s)] = true
