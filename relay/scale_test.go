@@ -188,7 +188,11 @@ func TestLeaseClock(t *testing.T) {
 				require.NoError(t, b.env.Pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM `+b.env.Q("lease_log")+`),
 					(SELECT bool_and(expires_at > `+dbNow+` AND expires_at <= `+dbNow+` + $1 * interval '1 millisecond')
 					FROM `+b.env.Q("txbox_lease")+` WHERE owner IS NOT NULL)`, ttl.Milliseconds()).Scan(&n, &ok))
-				return n != acquisitions || !ok
+				if n != acquisitions || !ok {
+					t.Logf("leases by the database's clock: %v; the relays' logs show when each renewed", b.leaseStates(t, dbNow))
+					return true
+				}
+				return false
 			}, 2*ttl, 20*time.Millisecond, "a live lease changed hands, or a held lease does not run out within one TTL of the database's now")
 
 			victim := b.holdersAt(t, dbNow)["A"]
@@ -224,6 +228,17 @@ func TestLeaseClock(t *testing.T) {
 			b.requireProcessedOnceInOrder(t, prod.stop(t))
 		})
 	}
+}
+
+// leaseStates describes each lease row (owner, token, time left) by the clock expression now.
+func (b *bundle) leaseStates(t *testing.T, now string) []string {
+	t.Helper()
+	rows, err := b.env.Pool.Query(context.Background(), `SELECT format('shard %s: %s token %s, %s ms left', shard, owner, token,
+		round(extract(epoch FROM expires_at - `+now+`) * 1000)) FROM `+b.env.Q("txbox_lease")+` ORDER BY shard`)
+	require.NoError(t, err)
+	states, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return states
 }
 
 // skewClock creates a schema whose now() and relatives run offset from the database's clock, to
