@@ -310,6 +310,10 @@ func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window
 		for k, v := range l.Metadata {
 			msg.Metadata.Set(k, v)
 		}
+		// A subscriber other than watermill-kafka's may hand the inbox the UUID as metadata too;
+		// the outbox refuses the key (its marshaler writes the UUID under it), and the letter's
+		// UUID is the message's. Left in, the letter failed its batch and held the rest back.
+		delete(msg.Metadata, outbox.ReservedMetadata)
 		if l.PartitionKey != "" {
 			outbox.SetPartitionKey(msg, l.PartitionKey)
 		}

@@ -64,7 +64,8 @@ func TestRedriveWritesTheMessageBackThroughTheOutbox(t *testing.T) {
 	meta := map[string]string{outbox.PartitionKeyMetadata: "order-7", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
 	a := tb.add(t, dlq.Entry{UUID: "m-1", Topic: "orders", Consumer: "billing", DedupKey: "m-1", PartitionKey: "order-7",
 		Payload: []byte(`{"order":7}`), Metadata: meta})
-	relayLetter := tb.add(t, dlq.Entry{UUID: "m-2", Source: dlq.SourceRelay, Topic: "invoices", Payload: []byte("inv")})
+	relayLetter := tb.add(t, dlq.Entry{UUID: "m-2", Source: dlq.SourceRelay, Topic: "invoices", Payload: []byte("inv"),
+		Metadata: map[string]string{outbox.ReservedMetadata: "m-2"}})
 	// The inbox marked m-1 dead for billing; shipping processed it.
 	tb.inboxRow(t, "billing", "m-1", "dead")
 	tb.inboxRow(t, "shipping", "m-1", "done")
@@ -83,6 +84,7 @@ func TestRedriveWritesTheMessageBackThroughTheOutbox(t *testing.T) {
 	require.Equal(t, "invoices", rows[1].Topic)
 	require.Equal(t, "m-2", rows[1].UUID)
 	require.Equal(t, []byte("inv"), rows[1].Payload)
+	require.Empty(t, rows[1].Metadata, "the UUID that came as metadata goes back as the message's UUID only")
 
 	require.Zero(t, tb.count(t, "txbox_dlq", "true"))
 	require.Zero(t, tb.count(t, "txbox_inbox", "consumer = 'billing'"), "billing must process the redriven message")

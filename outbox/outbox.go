@@ -39,8 +39,9 @@ const (
 // maximum record size, less room for headers.
 const DefaultMaxPayloadBytes = 1000 * 1000
 
-// reservedMetadata may not be set by callers: watermill-kafka's marshaler stores the UUID under it.
-const reservedMetadata = "_watermill_message_uuid"
+// ReservedMetadata is the metadata key Publish refuses: watermill-kafka's marshaler stores the
+// message UUID under it.
+const ReservedMetadata = "_watermill_message_uuid"
 
 // ErrInvalidMessage is returned (wrapped) for a message that can never be published: no topic, no
 // UUID, a reserved metadata key, or a payload over the limit. Nothing is written for the call.
@@ -217,8 +218,8 @@ func checkText(invalid error, what, value string) error {
 // watermill-kafka's marshaler stores the message UUID.
 func checkMetadata(invalid error, what string, md map[string]string) error {
 	for k, v := range md {
-		if k == reservedMetadata {
-			return fmt.Errorf("%w: %s: key %s is reserved", invalid, what, reservedMetadata)
+		if k == ReservedMetadata {
+			return fmt.Errorf("%w: %s: key %s is reserved", invalid, what, ReservedMetadata)
 		}
 		if err := checkText(invalid, what+": key", k); err != nil {
 			return err
