@@ -58,10 +58,11 @@ const fastLooks = 16
 func (r *Relay) look(ctx context.Context) bool {
 	r.mu.Lock()
 	parked := map[int]*lease{}
+	parks := map[*lease]uint64{}
 	var slots []int16
 	for shard, l := range r.held {
-		if l.parked.Load() {
-			parked[shard] = l
+		if park := l.parkedIn.Load(); park != 0 {
+			parked[shard], parks[l] = l, park
 			slots = append(slots, l.slots...)
 		}
 	}
@@ -73,9 +74,9 @@ func (r *Relay) look(ctx context.Context) bool {
 	} else if len(parked) == 0 {
 		return false
 	}
-	var due []int16
+	var due []dueRow
 	err := r.read(ctx, query, args, func(rows pgx.Rows) (err error) {
-		due, err = pgx.CollectRows(rows, pgx.RowTo[int16])
+		due, err = pgx.CollectRows(rows, scanDue)
 		return err
 	})
 	if err != nil {
@@ -85,27 +86,47 @@ func (r *Relay) look(ctx context.Context) bool {
 		}
 		return false
 	}
-	dueIn := map[*lease][]int16{}
-	for _, s := range due {
-		if s < 0 {
+	dueIn := map[*lease][]dueRow{}
+	for _, d := range due {
+		if d.slot < 0 {
 			select {
 			case r.rebalance <- struct{}{}:
 			default:
 			}
 			continue
 		}
-		l := parked[int(s)%r.cfg.Shards]
-		dueIn[l] = append(dueIn[l], s)
+		l := parked[int(d.slot)%r.cfg.Shards]
+		dueIn[l] = append(dueIn[l], d)
 	}
-	for l, slots := range dueIn {
-		if len(slots) == 1 {
-			l.dueSlot.Store(int32(slots[0]))
-		} else {
+	for l, due := range dueIn {
+		switch {
+		case len(due) > 1:
 			l.dueSlot.Store(noSlot)
+		case due[0].handed:
+			// Before the wake-up, so that the worker it wakes finds it.
+			l.handed.Store(&handover{park: parks[l], slot: due[0].slot, row: due[0].row})
+			fallthrough
+		default:
+			l.dueSlot.Store(int32(due[0].slot))
 		}
 		l.wakeUp()
 	}
 	return len(dueIn) > 0
+}
+
+// dueRow is a row of the dueSlots query: a slot with messages due, and its first one when the look
+// brought it along (handed).
+type dueRow struct {
+	slot   int16
+	handed bool
+	row    pendingRow
+}
+
+func scanDue(row pgx.CollectableRow) (dueRow, error) {
+	var d dueRow
+	p := &d.row
+	err := row.Scan(&d.slot, &d.handed, &p.tid, &p.id, &p.topic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata, &p.attempts)
+	return d, err
 }
 
 // noSlot is lease.dueSlot's "no one slot".
@@ -125,10 +146,12 @@ func (l *lease) park(published bool) {
 		default:
 		}
 	}
-	l.parked.Store(true)
-	defer l.parked.Store(false)
+	l.parks++
+	l.parkedIn.Store(l.parks)
+	defer l.parkedIn.Store(0)
 	select {
 	case <-l.wake:
+		l.wokeFrom = l.parks
 	case <-l.stop:
 	case <-l.ctx.Done():
 	}
