@@ -126,3 +126,38 @@ func TestAMessageThatFreezesItsHandlerEveryTimeIsDeadLettered(t *testing.T) {
 	require.Equal(t, 1, b.count(t, "txbox_dlq", "reason = $1", inbox.ReasonAttemptsExhausted))
 	require.Zero(t, b.count(t, "effects", ""))
 }
+
+// A handler too slow on a message every time, its statement cut off by a deadline (the delivery's,
+// as a Timeout middleware sets it, or its own), uses up an attempt each time, and the message
+// reaches the dead-letter table. pgx closes the connection of a statement a deadline cuts off:
+// taken for a lost connection, the attempt was given back, and the message retried for ever.
+func TestAMessageWhoseStatementsRunPastTheirDeadlineIsDeadLettered(t *testing.T) {
+	t.Parallel()
+	for name, deliverSlow := range map[string]func(h message.HandlerFunc, msg *message.Message) error{
+		"the delivery's deadline": func(h message.HandlerFunc, msg *message.Message) error {
+			ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+			defer cancel()
+			return deliverCtx(ctx, h, msg)
+		},
+		"the handler's own deadline": deliver,
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil) // MaxAttempts: 3
+			h := b.inbox.Middleware(b.handler(func(msg *message.Message) error {
+				tx, _ := inbox.TxFromContext(msg.Context())
+				ctx, cancel := context.WithTimeout(msg.Context(), 200*time.Millisecond)
+				defer cancel()
+				_, err := tx.Exec(ctx, "SELECT pg_sleep(5)")
+				return err
+			}))
+			msg := newMessage()
+			for i := range 3 {
+				require.ErrorIs(t, deliverSlow(h, msg), context.DeadlineExceeded, "delivery %d", i+1)
+			}
+			require.NoError(t, deliver(h, msg))
+			require.Equal(t, 1, b.count(t, "txbox_dlq", "reason = $1", inbox.ReasonAttemptsExhausted))
+			require.Zero(t, b.count(t, "effects", ""))
+		})
+	}
+}

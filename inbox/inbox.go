@@ -479,15 +479,24 @@ func (ib *Inbox) endAttempt(ctx context.Context, sc scope, alone, transient bool
 // deadlock, a lock timeout, a lost connection or a server shutting down. The transaction's
 // connection being closed covers connection losses that reach the handler as other errors.
 //
-// An idle-in-transaction timeout (25P03) is not transient: a handler that freezes on a message
-// every time must bring it to the dead-letter table, like one that crashes.
+// An idle-in-transaction timeout (25P03) and a deadline that ran out are not transient: a handler
+// that freezes or is too slow on a message every time must bring it to the dead-letter table, like
+// one that crashes.
 func isTransient(ctx context.Context, tx pgx.Tx, err error) bool {
 	var pgErr *pgconn.PgError
 	isPg := errors.As(err, &pgErr)
 	switch {
 	case isPg && pgErr.Code == "25P03": // idle_in_transaction_session_timeout; the connection is closed too
 		return false
-	case errors.Is(ctx.Err(), context.Canceled), tx.Conn().IsClosed():
+	case errors.Is(ctx.Err(), context.Canceled):
+		return true
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(ctx.Err(), context.DeadlineExceeded):
+		// The delivery's deadline (a Timeout middleware) or the handler's own ran out: slow on
+		// this message, maybe every time, like a handler that freezes. pgx closes the connection
+		// of a statement a deadline cuts off, which must not pass for a lost connection below: the
+		// message was retried for ever, its attempts given back each time.
+		return false
+	case tx.Conn().IsClosed():
 		return true
 	case !isPg:
 		return false
