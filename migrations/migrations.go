@@ -196,6 +196,9 @@ func Status(ctx context.Context, db *sql.DB, opts ...Option) ([]*goose.Migration
 }
 
 func newProvider(ctx context.Context, db *sql.DB, m mode, opts []Option) (*goose.Provider, *schemaLock, error) {
+	if db == nil {
+		return nil, nil, errors.New("migrations: db is nil")
+	}
 	o := options{schema: sqlname.DefaultSchema}
 	for _, opt := range opts {
 		opt(&o)

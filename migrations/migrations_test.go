@@ -277,6 +277,20 @@ func TestSchemaNamesAreValidated(t *testing.T) {
 	require.Greater(t, words, 50)
 }
 
+// A nil db is an error, from every entry point, not a panic.
+func TestANilDBIsRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, err := migrations.Up(ctx, nil)
+	require.ErrorContains(t, err, "db is nil")
+	_, err = migrations.Down(ctx, nil)
+	require.ErrorContains(t, err, "db is nil")
+	_, err = migrations.Status(ctx, nil)
+	require.ErrorContains(t, err, "db is nil")
+	_, err = migrations.NewProvider(ctx, nil)
+	require.ErrorContains(t, err, "db is nil")
+}
+
 // WithSchema("") means the default schema, as an empty Config.Schema does everywhere else.
 func TestEmptySchemaIsTheDefault(t *testing.T) {
 	t.Parallel()
