@@ -106,10 +106,11 @@
 //
 // # Running it
 //
-// The cmd/txbox-lint command runs the analyzer alone:
+// The cmd/txbox-lint command runs the analyzer alone, as a Go tool of the application's module:
 //
-//	go run github.com/txbox/txbox/cmd/txbox-lint ./...
-//	go vet -vettool=$(which txbox-lint) ./...
+//	go get -tool github.com/txbox/txbox/cmd/txbox-lint
+//	go tool txbox-lint ./...
+//	go vet -vettool="$(go tool -n txbox-lint)" ./...
 //
 // Other drivers (multichecker, golangci-lint's module plugins, gopls) can
 // use Analyzer directly.
