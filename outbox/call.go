@@ -47,8 +47,9 @@ type Call struct {
 	// Stripe-Account header).
 	StripeAccount string
 	// ReplyTopic, when set, receives one message with the call's CallResult once the call is done,
-	// written by the relay in the same transaction that records the result. Its UUID is derived from
-	// the idempotency key, so every copy of the reply is the same message to the consumer's inbox.
+	// written by the relay in the same transaction that records the result, or that moves the call
+	// to the dead-letter table (OutcomeDeadLettered). Its UUID is derived from the idempotency key,
+	// so every copy of the reply is the same message to the consumer's inbox.
 	ReplyTopic string
 	// PartitionKey orders calls: calls with the same key are executed one after the other, in the
 	// order they were written, a later one waiting while an earlier one is retried. It also chooses
@@ -120,6 +121,13 @@ func ReplyUUID(idempotencyKey string) string {
 // must not be taken by the consumer's inbox for a copy of the rejection.
 func RejectedReplyUUID(idempotencyKey string) string {
 	return uuid.NewSHA1(callNamespace, []byte("rejected-reply:"+idempotencyKey)).String()
+}
+
+// DeadLetteredReplyUUID is the UUID of the reply to the call with idempotencyKey when the relay
+// moved it to the dead-letter table (OutcomeDeadLettered): a call written again with the key may
+// still complete, and its reply, under ReplyUUID, must not be taken for a copy of this one.
+func DeadLetteredReplyUUID(idempotencyKey string) string {
+	return uuid.NewSHA1(callNamespace, []byte("dead-lettered-reply:"+idempotencyKey)).String()
 }
 
 // Call writes c into the outbox through tx and returns its idempotency key. Unless c carries an
@@ -273,6 +281,12 @@ const (
 	// OutcomeRejected: the provider refused the request itself (HTTP 400 or 404, such as a missing
 	// parameter or an unknown object). Sending it again cannot succeed, so the call is done too.
 	OutcomeRejected = "rejected"
+	// OutcomeDeadLettered: the relay gave up on the call and moved it to the dead-letter table, and
+	// will not send it again; Error.Code is the letter's reason and Error.Message its detail. Whether
+	// the provider executed it may be unknown (reasons "call outcome indeterminate", "call replay
+	// window passed"): reconcile with the provider (see package dlq). HTTPStatus is 0; the letter
+	// has the provider's last answer.
+	OutcomeDeadLettered = "dead_lettered"
 )
 
 // CallResult is the payload of a call's reply message (JSON): what the provider answered.
@@ -282,7 +296,8 @@ type CallResult struct {
 	IdempotencyKey string `json:"idempotency_key"`
 	// Name is the Call's Name.
 	Name string `json:"name,omitempty"`
-	// Outcome is OutcomeSucceeded, OutcomeDeclined or OutcomeRejected.
+	// Outcome is OutcomeSucceeded, OutcomeDeclined, OutcomeRejected or, in a reply only,
+	// OutcomeDeadLettered.
 	Outcome string `json:"outcome"`
 	// HTTPStatus is the provider's HTTP status.
 	HTTPStatus int `json:"http_status"`
@@ -293,7 +308,7 @@ type CallResult struct {
 	Object string `json:"object,omitempty"`
 	// Status is the object's status field ("succeeded", "requires_action"), when it has one.
 	Status string `json:"status,omitempty"`
-	// Error describes a declined or rejected call.
+	// Error describes a declined, rejected or dead-lettered call.
 	Error *CallError `json:"error,omitempty"`
 	// Body is the response body, when it is JSON and within the relay's size limit.
 	Body json.RawMessage `json:"body,omitempty"`

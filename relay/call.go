@@ -395,23 +395,7 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 			res.ObjectID, stored, attempts, took.Milliseconds(), first); err != nil {
 			return err
 		}
-		if row.replyTopic == "" {
-			return nil
-		}
-		payload, err := json.Marshal(res)
-		if err != nil {
-			return err
-		}
-		id := outbox.ReplyUUID(row.key)
-		if res.Outcome == outbox.OutcomeRejected {
-			id = outbox.RejectedReplyUUID(row.key)
-		}
-		msg := message.NewMessage(id, payload)
-		for k, val := range meta {
-			msg.Metadata.Set(k, val)
-		}
-		outbox.SetPartitionKey(msg, row.partitionKey)
-		err = c.replies.Publish(l.ctx, tx, row.replyTopic, msg)
+		msg, err := c.reply(tx, row, res, meta)
 		if !errors.Is(err, outbox.ErrInvalidMessage) {
 			return err
 		}
@@ -420,7 +404,7 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 		unwritable = err
 		return r.dead.Add(l.ctx, tx, dlq.Entry{
 			Source: dlq.SourceRelay, Topic: row.replyTopic, PartitionKey: row.partitionKey, UUID: msg.UUID,
-			Payload: payload, Metadata: meta, Reason: ReasonReplyUnwritable, Error: err.Error(), Attempts: attempts,
+			Payload: msg.Payload, Metadata: meta, Reason: ReasonReplyUnwritable, Error: err.Error(), Attempts: attempts,
 		})
 	})
 	if err == nil && unwritable != nil {
@@ -429,6 +413,33 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 			"idempotency_key", row.key, "reason", ReasonReplyUnwritable, "error", unwritable)
 	}
 	return err
+}
+
+// reply writes the reply message of a call that ended with res to the call's reply topic in tx,
+// and returns it; nil and no error when the call asked for none.
+func (c *caller) reply(tx pgx.Tx, row callRow, res outbox.CallResult, meta map[string]string) (*message.Message, error) {
+	if row.replyTopic == "" {
+		return nil, nil
+	}
+	payload, err := json.Marshal(res)
+	if err != nil {
+		return nil, err
+	}
+	var id string
+	switch res.Outcome {
+	case outbox.OutcomeRejected:
+		id = outbox.RejectedReplyUUID(row.key)
+	case outbox.OutcomeDeadLettered:
+		id = outbox.DeadLetteredReplyUUID(row.key)
+	default:
+		id = outbox.ReplyUUID(row.key)
+	}
+	msg := message.NewMessage(id, payload)
+	for k, val := range meta {
+		msg.Metadata.Set(k, val)
+	}
+	outbox.SetPartitionKey(msg, row.partitionKey)
+	return msg, c.replies.Publish(c.l.ctx, tx, row.replyTopic, msg)
 }
 
 // bury moves a call to the dead-letter table in its own fenced transaction.
@@ -451,11 +462,28 @@ func (c *caller) buryTx(tx pgx.Tx, row callRow, attempts int, reason, detail str
 	}
 	var meta map[string]string
 	_ = json.Unmarshal([]byte(row.metadata), &meta)
-	return r.dead.Add(l.ctx, tx, dlq.Entry{
+	if err := r.dead.Add(l.ctx, tx, dlq.Entry{
 		Source: dlq.SourceRelay, Kind: "call", Topic: row.replyTopic, PartitionKey: row.partitionKey,
 		UUID: row.uuid, Payload: row.payload, Metadata: meta, IdempotencyKey: row.key,
 		Reason: reason, Error: detail, Attempts: attempts, FirstFailedAt: first,
-	})
+	}); err != nil {
+		return err
+	}
+	// Whoever waits for the reply learns that the call will not be done by the relay. A reply the
+	// outbox refuses is left out: the letter, which the call's reply topic names, stands for it.
+	var name string
+	var req outbox.CallRequest
+	if json.Unmarshal(row.payload, &req) == nil {
+		name = req.Name
+	}
+	_, err = c.reply(tx, row, outbox.CallResult{
+		CallUUID: row.uuid, IdempotencyKey: row.key, Name: name, Outcome: outbox.OutcomeDeadLettered,
+		Error: &outbox.CallError{Code: reason, Message: detail}, Attempts: attempts, Metadata: meta,
+	}, meta)
+	if errors.Is(err, outbox.ErrInvalidMessage) {
+		return nil
+	}
+	return err
 }
 
 // retryIn is the wait before the next attempt: exponential in the call's durable attempt count,

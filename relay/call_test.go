@@ -406,7 +406,25 @@ func TestCallKeyReusedWithOtherParamsGoesToDLQ(t *testing.T) {
 	_, done := b.result(t, key)
 	require.False(t, done)
 	require.Zero(t, b.pendingCalls(t))
-	require.Empty(t, b.sink.replies(key), "no reply: the call has no outcome")
+	require.Empty(t, b.sink.replies(key), "no reply of a completed call: the call has no outcome")
+	b.requireDeadLetteredReply(t, key, relay.ReasonIdempotencyMismatch)
+}
+
+// requireDeadLetteredReply requires that the call with key, moved to the dead-letter table for
+// reason, told its reply topic so: whoever waits for its reply would wait for ever.
+func (b *callBundle) requireDeadLetteredReply(t *testing.T, key, reason string) {
+	t.Helper()
+	var reply *message.Message
+	require.Eventually(t, func() bool { reply = b.sink.byUUID(outbox.DeadLetteredReplyUUID(key)); return reply != nil },
+		10*time.Second, 10*time.Millisecond, "a reply says that the call was dead-lettered")
+	got, err := outbox.ParseCallResult(reply)
+	require.NoError(t, err)
+	require.Equal(t, outbox.OutcomeDeadLettered, got.Outcome)
+	require.Equal(t, key, got.IdempotencyKey)
+	require.Equal(t, "charge", got.Name)
+	require.Equal(t, reason, got.Error.Code)
+	require.NotEmpty(t, got.Error.Message)
+	require.Equal(t, key, got.Metadata["payment_id"], "the call's metadata, as on every reply")
 }
 
 // Stripe may forget a key after 24 hours. A call whose first attempt is older than the replay
@@ -437,6 +455,7 @@ func TestCallOlderThanReplayWindowIsNeverSent(t *testing.T) {
 	require.Equal(t, 1, b.stripe.ChargesFor(young))
 	require.Zero(t, b.stripe.RequestsFor(old))
 	require.Zero(t, b.pendingCalls(t))
+	b.requireDeadLetteredReply(t, old, relay.ReasonCallTooOld)
 }
 
 // Rate limits and transient failures are retried with the same key, no sooner than Retry-After,
@@ -506,6 +525,7 @@ func TestCallStoredServerErrorGoesToDLQ(t *testing.T) {
 	require.Equal(t, relay.ReasonCallIndeterminate, d.reason)
 	require.Equal(t, 1, b.stripe.RequestsFor(key))
 	require.Zero(t, b.pendingCalls(t))
+	b.requireDeadLetteredReply(t, key, relay.ReasonCallIndeterminate)
 }
 
 // A call that takes longer than the lease TTL keeps the lease (it is renewed while the call is in

@@ -163,6 +163,8 @@ func (a *app) applyResult(msg *message.Message) error {
 	case outbox.OutcomeSucceeded:
 	case outbox.OutcomeDeclined:
 		status = "declined"
+	case outbox.OutcomeDeadLettered:
+		status = "needs_review" // The call is in the DLQ: reconcile it with Stripe.
 	default:
 		status = "failed"
 	}
@@ -626,7 +628,7 @@ func shellQuote(s string) string {
 func (a *app) reconcile(ctx context.Context, rep *report, reg *prometheus.Registry, double *stripetest.Server, apiKey, stripeURL string, start time.Time) error {
 	err := a.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE status = 'pending'),
 			count(*) FILTER (WHERE replies_applied > 1),
-			$1 - count(*) FILTER (WHERE status IN ('pending', 'done', 'declined', 'failed')),
+			$1 - count(*) FILTER (WHERE status IN ('pending', 'done', 'declined', 'failed', 'needs_review')),
 			(SELECT count(*) FROM `+a.q("txbox_dlq")+`)
 		FROM `+a.q("charges"), rep.Payments).Scan(&rep.Pending, &rep.RepliesAppliedTwice, &rep.Unaccounted, &rep.DeadLetters)
 	if err != nil {
