@@ -35,6 +35,10 @@ type lease struct {
 
 	failures int // consecutive failed cycles, for backoff and for logging a failure streak once
 
+	// until is when the lease runs out at the latest, by the relay's clock: one LeaseTTL after the
+	// transaction that took or last renewed it began (dropRunOut). Run's goroutine only.
+	until time.Time
+
 	// While the broker refuses a batch of several messages, the worker halves its batches until
 	// the refused message is published alone (see RejectedError): window is the batch size, and
 	// narrowed the highest id of the refused batch, 0 when not narrowing.

@@ -147,9 +147,6 @@ type Relay struct {
 	// warnedOf is the last relay balance found publishing beside this one with another prefix
 	// (warnOtherPrefix), used by Run's goroutine only.
 	warnedOf string
-	// renewedAt is when the last renewal of held leases began (zero: none held then), used by
-	// Run's goroutine only.
-	renewedAt time.Time
 
 	mu        sync.Mutex
 	held      map[int]*lease
@@ -657,6 +654,7 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 	ttl := r.cfg.LeaseTTL.Milliseconds()
 	if err := r.renew(round, ttl); err != nil {
 		r.logDB("renew leases", err)
+		r.dropRunOut()
 		return next
 	}
 	// Who is alive and when the next lease or relay of others runs out are read at one instant:
@@ -741,6 +739,7 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 		deadline, _ := round.Deadline()
 		acquiring, stopAcquiring := context.WithDeadline(context.WithoutCancel(round), deadline)
 		defer stopAcquiring()
+		began := time.Now()
 		err := r.bounded(acquiring, func(tx pgx.Tx) error {
 			rows, err := tx.Query(acquiring, r.sql.acquire, r.cfg.Owner, ttl, r.cfg.Shards, fair-n)
 			if err != nil {
@@ -760,6 +759,7 @@ func (r *Relay) balance(ctx context.Context, lost chan<- *lease) (next time.Dura
 			return next
 		}
 		for _, l := range got {
+			l.until = began.Add(r.cfg.LeaseTTL)
 			r.start(ctx, l, lost)
 		}
 		if missing > 0 {
@@ -799,7 +799,6 @@ func (r *Relay) renew(ctx context.Context, ttl int64) error {
 	}
 	r.mu.Unlock()
 	if len(shards) == 0 {
-		r.renewedAt = time.Time{}
 		return nil
 	}
 	began := time.Now()
@@ -815,27 +814,54 @@ func (r *Relay) renew(ctx context.Context, ttl int64) error {
 	if err != nil {
 		return err
 	}
-	if left := time.Until(r.renewedAt.Add(r.cfg.LeaseTTL)); !r.renewedAt.IsZero() && left < r.cfg.LeaseTTL/3 {
-		// A renewal is due LeaseTTL/3 after the last began and commits at once: a machine or
-		// database this busy is close to letting live leases run out (or has: left < 0).
-		r.log.Warn("leases renewed late: little of them was left", "left", left.Round(time.Millisecond), "lease_ttl", r.cfg.LeaseTTL)
-	}
-	r.renewedAt = began
 	kept := make(map[int]bool, len(renewed))
 	for _, s := range renewed {
 		kept[int(s)] = true
 	}
-	for _, s := range shards {
-		if !kept[int(s)] {
-			r.mu.Lock()
-			l := r.held[int(s)]
-			r.mu.Unlock()
-			if l != nil {
-				r.drop(l, "lease taken over")
-			}
+	left := r.cfg.LeaseTTL // of the lease closest to running out, before this renewal
+	for i, s := range shards {
+		r.mu.Lock()
+		l := r.held[int(s)]
+		r.mu.Unlock()
+		switch {
+		case l == nil || l.token != tokens[i]:
+		case kept[int(s)]:
+			left = min(left, time.Until(l.until))
+			l.until = began.Add(r.cfg.LeaseTTL)
+		default:
+			r.drop(l, "lease taken over")
 		}
 	}
+	// A renewal is due LeaseTTL/3 after the last began, and commits at once: a machine or database
+	// this busy is close to letting live leases run out, or has.
+	switch {
+	case left < 0:
+		r.log.Warn("leases renewed after they had run out (the process or the database was held up); another relay may have taken some",
+			"ran_out_ago", (-left).Round(time.Millisecond), "lease_ttl", r.cfg.LeaseTTL)
+	case left < r.cfg.LeaseTTL/3:
+		r.log.Warn("leases renewed late: little of them was left", "left", left.Round(time.Millisecond), "lease_ttl", r.cfg.LeaseTTL)
+	}
 	return nil
+}
+
+// dropRunOut drops the leases whose last renewal (or acquisition) began more than one LeaseTTL
+// ago: by the database's clock they ran out, free for another relay to take, and the relay must
+// stop counting them as held (txbox_relay_shards_held, Shards) while it cannot reach the database
+// to renew them. The relay's own clock only ever gives a lease up this way, never keeps one, and
+// measured from before the transaction began, it gives the lease up at most one round trip before
+// the database's clock runs it out; giving a lease up early is always safe.
+func (r *Relay) dropRunOut() {
+	r.mu.Lock()
+	var out []*lease
+	for _, l := range r.held {
+		if time.Now().After(l.until) {
+			out = append(out, l)
+		}
+	}
+	r.mu.Unlock()
+	for _, l := range out {
+		r.abandon(l, "lease ran out unrenewed; shard dropped", "the database did not answer the renewals")
+	}
 }
 
 // start runs a worker for a newly acquired lease.
@@ -900,13 +926,21 @@ func (r *Relay) forget(l *lease) bool {
 // drop abandons a lease that is no longer this relay's: in-flight work is cancelled, not
 // finished. The worker winds down in the background so the other leases keep being renewed.
 func (r *Relay) drop(l *lease, why string) {
+	if r.abandon(l, "lease lost; shard dropped", why) {
+		r.metrics.Fenced.Inc()
+	}
+}
+
+// abandon stops the worker of l at once and forgets the lease, logging msg; it reports whether
+// the relay still counted the lease as held.
+func (r *Relay) abandon(l *lease, msg, why string) bool {
 	if !r.forget(l) {
-		return
+		return false
 	}
 	l.cancel()
-	r.metrics.Fenced.Inc()
-	r.log.Warn("lease lost; shard dropped", "shard", l.shard, "token", l.token, "why", why)
+	r.log.Warn(msg, "shard", l.shard, "token", l.token, "why", why)
 	r.winding.Go(func() { <-l.done })
+	return true
 }
 
 // release lets the lease's batch in flight finish (for at most one LeaseTTL), then gives the lease

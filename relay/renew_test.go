@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/relay"
@@ -66,6 +67,44 @@ CREATE TRIGGER slow_renewal BEFORE UPDATE ON %[1]s.txbox_lease FOR EACH ROW
 	}, 3*(slow+ttl/3), 20*time.Millisecond, "a lease of the live relay ran out between two renewals")
 	require.Len(t, r.Shards(), shards, "the relay kept its shards")
 	require.Contains(t, logs.String(), "leases renewed late", "the relay says that its renewals come late")
+}
+
+// A relay cut off from the database cannot renew its leases: one TTL after its last renewal they
+// have run out, free for any relay to take, and it stops counting them as its own (Shards,
+// txbox_relay_shards_held), so that an outage of every relay's database path shows as no shard
+// held. It kept counting them for as long as the outage lasted: one such relay beside two
+// healthy ones made 20 of 16 shards held. When the database answers again, it takes them anew.
+func TestARelayCutOffFromTheDatabaseStopsCountingItsLeases(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	db := &flakyDB{Pool: b.env.Pool}
+	reg := prometheus.NewRegistry()
+	const ttl = time.Second
+	r := b.startRelay(t, func(c *relay.Config) { c.DB, c.Registerer, c.LeaseTTL = db, reg, ttl })
+	held := func() float64 {
+		v, _ := sample(t, reg, "txbox_relay_shards_held", map[string]string{"schema": b.env.Schema})
+		return v
+	}
+	require.Eventually(t, func() bool { return len(r.Shards()) == 4 && held() == 4 }, 30*time.Second, 10*time.Millisecond)
+	before := r.Shards()
+
+	db.down.Store(true)
+	require.Eventually(t, func() bool { return len(r.Shards()) == 0 && held() == 0 }, 10*ttl, 10*time.Millisecond,
+		"the relay still counts %v as held", r.Shards())
+	// It gives them up one TTL after its last renewal began, by its clock: a round trip at most
+	// before they run out by the database's.
+	var expired int
+	require.NoError(t, b.env.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+b.env.Q("txbox_lease")+
+		" WHERE expires_at <= now() + interval '50 milliseconds'").Scan(&expired))
+	require.Equal(t, 4, expired, "the relay gave its leases up only as they ran out")
+
+	db.down.Store(false)
+	require.Eventually(t, func() bool { return len(r.Shards()) == 4 && held() == 4 }, 30*time.Second, 10*time.Millisecond)
+	for shard, token := range r.Shards() {
+		require.Greater(t, token, before[shard], "shard %d taken anew, under a new token", shard)
+	}
+	b.write(t, true, "after", 5)
+	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
 }
 
 // lockedLog is a log destination safe for the relay's goroutines and the test's.
