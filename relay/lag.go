@@ -60,7 +60,8 @@ func NewLagMonitor(cfg LagConfig) (*LagMonitor, error) {
 	return &LagMonitor{cfg: cfg, lag: metrics.NewConsumerLag(cfg.Registerer)}, nil
 }
 
-// Measure returns the current lag per group and topic, and updates the gauge.
+// Measure returns the current lag per group and topic, and updates the gauge. A group that cannot
+// be measured is left out, its error joined to the returned one; the others are measured.
 func (m *LagMonitor) Measure(ctx context.Context) (map[string]map[string]int64, error) {
 	c := sarama.NewConfig()
 	if m.cfg.Sarama != nil {
@@ -94,35 +95,51 @@ func (m *LagMonitor) Measure(ctx context.Context) (map[string]map[string]int64, 
 			return nil, fmt.Errorf("relay: lag: partitions of %s: %w", topic, err)
 		}
 	}
+	// Each group on its own: one that cannot be measured (a typo, a consumer not deployed yet)
+	// must not leave the others unreported.
 	out := map[string]map[string]int64{}
+	var failed []error
 	for _, group := range m.cfg.Groups {
 		if err := ctx.Err(); err != nil {
 			return nil, err
 		}
-		offsets, err := admin.ListConsumerGroupOffsets(group, all)
+		lag, err := m.measureGroup(client, admin, group, all)
 		if err != nil {
-			return nil, fmt.Errorf("relay: lag of group %s: %w", group, err)
+			failed = append(failed, fmt.Errorf("relay: lag of group %s: %w", group, err))
+			continue
 		}
-		out[group] = map[string]int64{}
-		for topic, partitions := range offsets.Blocks {
-			var lag int64
-			committed := false
-			for partition, block := range partitions {
-				if block.Offset < 0 {
-					continue
-				}
-				committed = true
-				hw, err := client.GetOffset(topic, partition, sarama.OffsetNewest)
-				if err != nil {
-					return nil, fmt.Errorf("relay: lag: high-water mark of %s/%d: %w", topic, partition, err)
-				}
-				lag += max(hw-block.Offset, 0)
-			}
-			if !committed {
+		out[group] = lag
+		for topic, n := range lag {
+			m.lag.WithLabelValues(group, topic).Set(float64(n))
+		}
+	}
+	return out, errors.Join(failed...)
+}
+
+// measureGroup returns group's lag per topic among the partitions all, for the topics it has
+// committed an offset on.
+func (m *LagMonitor) measureGroup(client sarama.Client, admin sarama.ClusterAdmin, group string, all map[string][]int32) (map[string]int64, error) {
+	offsets, err := admin.ListConsumerGroupOffsets(group, all)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]int64{}
+	for topic, partitions := range offsets.Blocks {
+		var lag int64
+		committed := false
+		for partition, block := range partitions {
+			if block.Offset < 0 {
 				continue
 			}
-			out[group][topic] = lag
-			m.lag.WithLabelValues(group, topic).Set(float64(lag))
+			committed = true
+			hw, err := client.GetOffset(topic, partition, sarama.OffsetNewest)
+			if err != nil {
+				return nil, fmt.Errorf("high-water mark of %s/%d: %w", topic, partition, err)
+			}
+			lag += max(hw-block.Offset, 0)
+		}
+		if committed {
+			out[topic] = lag
 		}
 	}
 	return out, nil

@@ -52,6 +52,18 @@ func TestLagMonitorReportsWhatAGroupHasNotConsumed(t *testing.T) {
 		lag, err := mon.Measure(ctx)
 		return err == nil && lag[group][b.topic] == 5
 	}, 30*time.Second, 50*time.Millisecond)
+
+	// A group that cannot be measured (this broker may refuse a group it never saw) leaves the
+	// others measured: one missing group took every group's lag away.
+	missing := "lag-missing-" + watermill.NewShortUUID()
+	both, err := relay.NewLagMonitor(relay.LagConfig{Brokers: brokers, Groups: []string{missing, group}})
+	require.NoError(t, err)
+	lag, err := both.Measure(ctx)
+	if err != nil {
+		require.ErrorContains(t, err, missing)
+		require.NotContains(t, err.Error(), group+":")
+	}
+	require.Equal(t, int64(5), lag[group][b.topic])
 }
 
 func TestLagConfigIsValidated(t *testing.T) {
