@@ -38,7 +38,7 @@ func (a *app) consoleCommand() *cobra.Command {
 		refresh      = console.DefaultRefresh
 	)
 	fs := cmd.Flags()
-	a.setting(fs, text(&addr, hostPort(false)), "addr", "TXBOX_CONSOLE_ADDR", "address the console listens on; anyone who reaches it can read messages")
+	a.setting(fs, text(&addr, hostPort), "addr", "TXBOX_CONSOLE_ADDR", "address the console listens on; anyone who reaches it can read messages")
 	a.setting(fs, boolValue(&readOnly), "read-only", "TXBOX_CONSOLE_READ_ONLY", "refuse every change even when "+consoleTokenEnv+" is set").NoOptDefVal = "true"
 	f := a.setting(fs, text(&allowedHosts, list(nonEmpty)), "allowed-hosts", "TXBOX_CONSOLE_ALLOWED_HOSTS",
 		"comma-separated host names, besides localhost and IP addresses, that browsers may reach the console by (a proxy's name)")

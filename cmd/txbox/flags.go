@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
@@ -326,21 +327,28 @@ func schemaName(s string) error {
 	return nil
 }
 
-// hostPort accepts "host:port", or nothing when empty means "off".
-func hostPort(allowEmpty bool) func(string) error {
-	return func(s string) error {
-		if s == "" && allowEmpty {
-			return nil
-		}
-		_, port, err := net.SplitHostPort(s)
-		if err != nil || port == "" {
-			return fmt.Errorf("must be host:port, got %q", s)
-		}
-		if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
-			return fmt.Errorf("must be host:port with a port number up to 65535, got %q", s)
-		}
-		return nil
+// hostPort accepts "host:port".
+func hostPort(s string) error {
+	_, port, err := net.SplitHostPort(s)
+	if err != nil || port == "" {
+		return fmt.Errorf("must be host:port, got %q", s)
 	}
+	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+		return fmt.Errorf("must be host:port with a port number up to 65535, got %q", s)
+	}
+	return nil
+}
+
+// listenAddr is a host:port to listen on, or "off" (also "" given as a flag, --metrics-addr=) for
+// none: an environment variable set to nothing is refused like any other (see applyEnv), so a
+// deployment configured only through the environment turns the listener off by name.
+func listenAddr(p *string) *value[string] {
+	return &value[string]{p: p, typ: "string", show: func(s string) string { return cmp.Or(s, "off") }, parse: func(s string) (string, error) {
+		if s == "" || s == "off" {
+			return "", nil
+		}
+		return s, hostPort(s)
+	}}
 }
 
 // list accepts comma-separated items, each passing check.

@@ -47,7 +47,7 @@ func (a *app) relayCommand() *cobra.Command {
 		minCallBackoff: relay.DefaultMinCallBackoff, maxCallBackoff: relay.DefaultMaxCallBackoff,
 	}
 	fs := cmd.Flags()
-	f := a.setting(fs, text(&s.brokers, list(hostPort(false))), "kafka-brokers", "TXBOX_KAFKA_BROKERS", "comma-separated Kafka brokers, host:port")
+	f := a.setting(fs, text(&s.brokers, list(hostPort)), "kafka-brokers", "TXBOX_KAFKA_BROKERS", "comma-separated Kafka brokers, host:port")
 	annotate(f, annRequired, "true")
 	annotate(f, annField, "KafkaConfig.Brokers")
 	f = a.setting(fs, text(&s.owner, nonEmpty), "owner", "TXBOX_RELAY_OWNER", "unique name of this relay in the lease table (default host-pid-random)")
@@ -55,7 +55,7 @@ func (a *app) relayCommand() *cobra.Command {
 	f = a.setting(fs, text(&s.txPrefix, nonEmpty), "transactional-id-prefix", "TXBOX_TRANSACTIONAL_ID_PREFIX",
 		"prefix of each shard's Kafka transactional.id: the same for every relay of an outbox, unique per outbox on a cluster; default txbox-<the outbox's identity>, which is both")
 	annotate(f, annField, "KafkaConfig.TransactionalIDPrefix")
-	a.setting(fs, text(&s.metricsAddr, hostPort(true)), "metrics-addr", "TXBOX_METRICS_ADDR", "address serving /metrics and /readyz; empty disables both")
+	a.setting(fs, listenAddr(&s.metricsAddr), "metrics-addr", "TXBOX_METRICS_ADDR", "address serving /metrics and /readyz; off disables both")
 	a.setting(fs, text(&s.lagGroups, list(nonEmpty)), "lag-groups", "TXBOX_LAG_GROUPS", "comma-separated consumer groups whose lag is exported as txbox_consumer_lag_messages")
 	f = a.setting(fs, shardsValue(&s.shards, outbox.Slots), "shards", "TXBOX_SHARDS", "number of shard leases; must divide 256 and be the same on every relay")
 	annotate(f, annField, "Config.Shards")
