@@ -68,6 +68,12 @@ func TestUpDownUp(t *testing.T) {
 	again, err := migrations.Up(ctx, db, in)
 	require.NoError(t, err)
 	require.Empty(t, again)
+	token := func() int64 {
+		var n int64
+		require.NoError(t, db.QueryRowContext(ctx, "SELECT nextval('txbox.txbox_lease_token')").Scan(&n))
+		return n
+	}
+	before := token()
 
 	rolledBack, err := migrations.Down(ctx, db, in)
 	require.NoError(t, err)
@@ -77,6 +83,9 @@ func TestUpDownUp(t *testing.T) {
 	_, err = migrations.Up(ctx, db, in)
 	require.NoError(t, err)
 	require.Contains(t, tables(t, db, "txbox"), "txbox_outbox")
+	// The lease tokens of the outbox made anew go on from the last ones, never back: consumers that
+	// saw the earlier tokens would count every message of lower ones as superseded.
+	require.Greater(t, token(), before, "a token of the outbox made anew is above every earlier one")
 
 	// The goose Provider, for callers who want it; HasPending takes no lock and runs without the
 	// search_path, so it relies on the qualified version table.
