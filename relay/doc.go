@@ -21,9 +21,7 @@
 // A shard worker with a backlog reads batch after batch; the completion of a full batch reads the
 // next one in its own round trip. A worker that found fewer rows than a batch parks, and one
 // goroutine per relay (watch) looks for due messages in the slots of every parked shard with a
-// single query, waking only the shards that have some. A shard with one due slot is handed that
-// slot's first message (up to 16 KiB) with its wake-up and publishes it without reading it again,
-// its completion reading the slot's next ones. It looks every PollInterval while rows
+// single query, waking only the shards that have some. It looks every PollInterval while rows
 // come and backs off to IdlePollInterval while none do. A look reads what is pending, like a read,
 // so it cannot miss a late commit; at worst a row waits for the next look.
 //

@@ -45,19 +45,12 @@ type lease struct {
 	window   int
 	narrowed int64
 
-	// parkedIn is the number of the park the worker is in while it waits for watch to find rows
-	// in its slots (wake), 0 while it is not parked; parks counts them, and wokeFrom is the park
-	// the worker was woken from until its next read. Worker-only but for parkedIn.
-	parkedIn atomic.Uint64
-	parks    uint64
-	wokeFrom uint64
-	wake     chan struct{}
+	// parked is set while the worker waits for watch to find rows in its slots (wake).
+	parked atomic.Bool
+	wake   chan struct{}
 	// dueSlot is the one slot the look that woke the worker found rows in, noSlot when it found
 	// several or the worker was woken otherwise: the worker's next read reads that slot alone.
 	dueSlot atomic.Int32
-	// handed is the message that look found first in dueSlot, if it was small enough to bring
-	// along, with the park it was found in: the worker publishes it without reading it again.
-	handed atomic.Pointer[handover]
 
 	// ahead is the next batch, read by the last completion when readAhead is set.
 	ahead     []pendingRow
@@ -243,7 +236,7 @@ func (l *lease) cycle(pub ShardPublisher) (published int, more bool, err error) 
 		r.metrics.Published.Add(float64(n))
 		l.uncompleted = completion{}
 	}
-	batch, handed, err := l.next()
+	batch, err := l.next()
 	if err != nil {
 		return 0, false, err
 	}
@@ -252,9 +245,6 @@ func (l *lease) cycle(pub ShardPublisher) (published int, more bool, err error) 
 	}
 	failpoint.HitContext(l.ctx, "relay.after-read")
 	batch, more = cut(batch, l.window)
-	// The look brought the slot's first message only: the slot's next ones, if any, come with
-	// the completion's read ahead, of that slot alone (dueSlot).
-	more = more || handed
 	if alone := aloneIfRefused(batch); len(alone) < len(batch) {
 		batch, more = alone, true
 	}
@@ -304,69 +294,45 @@ func (l *lease) cycle(pub ShardPublisher) (published int, more bool, err error) 
 	return len(batch), more, nil
 }
 
-// next returns the batch to publish: the rows the last completion read ahead, the message the
-// look that woke the worker handed over (handed), or a fresh read.
-func (l *lease) next() (batch []pendingRow, handed bool, err error) {
+// next returns the batch to publish: the rows the last completion read ahead, or a fresh read.
+func (l *lease) next() ([]pendingRow, error) {
 	if l.readAhead {
-		batch, l.ahead, l.readAhead = l.ahead, nil, false
-		return batch, false, nil
-	}
-	// Only what a look found while the worker sat in the park it was woken from: the look read it
-	// after the worker's last completion, and nothing of the shard was published since. A look
-	// that saw the worker parked just as it woke may hand over a message the worker is publishing
-	// already; it is dropped here, where a later cycle would have published it twice.
-	woke := l.wokeFrom
-	l.wokeFrom = 0
-	if h := l.handed.Swap(nil); h != nil && woke != 0 && h.park == woke {
-		l.dueSlot.Store(int32(h.slot))
-		return []pendingRow{h.row}, true, nil
+		batch := l.ahead
+		l.ahead, l.readAhead = nil, false
+		return batch, nil
 	}
 	r := l.relay
-	query, slots := l.readOf()
-	err = r.read(l.ctx, query, []any{slots, l.window, r.cfg.BatchBytes}, func(rows pgx.Rows) (err error) {
+	// The read of one slot costs ~120 µs of a round trip here against ~300 µs for the read of a
+	// shard's 16 (one branch each), and at a moderate rate that read is much of the time from a
+	// row's commit to its publish. Rows that came to the shard's other slots since the look wait
+	// for the next one; the slot's own order is the same either way.
+	query, slots := r.sql.readMessages, l.slots
+	if s := l.dueSlot.Swap(noSlot); s != noSlot {
+		query, slots = r.sql.readSlotMessages, []int16{int16(s)}
+	}
+	var batch []pendingRow
+	err := r.read(l.ctx, query, []any{slots, l.window, r.cfg.BatchBytes}, func(rows pgx.Rows) (err error) {
 		batch, err = pgx.CollectRows(rows, scanPending)
 		return err
 	})
 	if err != nil {
-		return nil, false, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
+		return nil, fmt.Errorf("relay: read shard %d: %w", l.shard, err)
 	}
-	return batch, false, nil
-}
-
-// readOf returns the read of the shard's next batch and its slots: of the one slot the look that
-// woke the worker found rows in (dueSlot), or of all of them. The read of one slot costs ~120 µs
-// of a round trip here against ~300 µs for the read of a shard's 16 (one branch each), and at a
-// moderate rate that read is much of the time from a row's commit to its publish. Rows that came
-// to the shard's other slots since the look wait for the next one; the slot's own order is the
-// same either way.
-func (l *lease) readOf() (query string, slots []int16) {
-	if s := l.dueSlot.Swap(noSlot); s != noSlot {
-		return l.relay.sql.readSlotMessages, []int16{int16(s)}
-	}
-	return l.relay.sql.readMessages, l.slots
-}
-
-// handover is a message a look handed to the worker of its slot.
-type handover struct {
-	park uint64 // the worker's park the look found it in
-	slot int16
-	row  pendingRow
+	return batch, nil
 }
 
 // complete deletes the published rows in a fenced transaction, in one round trip with the lease
-// check. With readAhead (more rows were due than the batch held, or the batch was the message a
-// look handed over) the same round trip reads the next batch (readOf), which the next cycle
-// publishes without a read of its own: the read runs after the delete, in its transaction, so it
-// never returns a row just completed, and like every read it returns what is committed when it
-// runs, late commits included.
+// check. With readAhead (more rows were due than the batch held) the same round trip
+// reads the next batch, which the next cycle publishes without a read of its own: the read runs
+// after the delete, in its transaction, so it never returns a row just completed, and like every
+// read it returns what is committed when it runs, late commits included.
 func (l *lease) complete(done completion, readAhead bool) error {
 	r := l.relay
 	var ahead []pendingRow
 	err := l.fencedWith(l.ctx, func(b *pgx.Batch) {
 		b.Queue(r.sql.completeMessages, done.tids, done.ids, l.shard, l.token)
 		if readAhead {
-			query, slots := l.readOf()
-			b.Queue(query, slots, l.window, r.cfg.BatchBytes).Query(func(rows pgx.Rows) error {
+			b.Queue(r.sql.readMessages, l.slots, l.window, r.cfg.BatchBytes).Query(func(rows pgx.Rows) error {
 				var err error
 				ahead, err = pgx.CollectRows(rows, scanPending)
 				return err

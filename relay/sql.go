@@ -2,7 +2,6 @@ package relay
 
 import (
 	"fmt"
-	"strconv"
 	"strings"
 
 	"github.com/txbox/txbox/internal/sqlname"
@@ -111,7 +110,7 @@ func renderQueries(schema string, slots int) queries {
 		dueSlots:         r(dueSlotsSQL),
 		dueSlotsOrBalance: r(dueSlotsSQL + `
 			UNION ALL
-			SELECT -1, false, '(0,0)'::tid, 0, '', '', '', ''::bytea, '', 0 WHERE EXISTS (SELECT 1 FROM {schema}.txbox_lease WHERE shards = $2 AND expires_at <= now())
+			SELECT -1 WHERE EXISTS (SELECT 1 FROM {schema}.txbox_lease WHERE shards = $2 AND expires_at <= now())
 				OR (SELECT count(*) FROM {schema}.txbox_relay_node WHERE expires_at > now()) <> $3`),
 		// Counts a refused publish of one message and sets its next attempt $3 ms from now.
 		refuseMessage: r(`UPDATE {schema}.txbox_outbox
@@ -217,27 +216,13 @@ func readMessagesSQL(slots int) string {
 			ORDER BY id`
 }
 
-// dueSlotsSQL finds which of the slots $1 have a message readMessages would return, with the
-// first such message of each: one look into the index per slot, stopping at the first due row.
-// The message comes whole ("handed") only when its payload and metadata fit in handLimit bytes,
-// else with an empty payload and metadata, there only to say that the slot has rows.
-// dueSlotsOrBalance also answers slot -1 when the leases call for a balance: a lease of the
-// layout $2 is free (released by a relay that stopped or gave up its extra shards), or the number
-// of live relays is no longer $3.
-var dueSlotsSQL = `SELECT s.slot, d.handed, d.tid, d.id, d.topic, d.partition_key, d.uuid,
-		CASE WHEN d.handed THEN d.payload ELSE ''::bytea END, CASE WHEN d.handed THEN d.metadata ELSE '' END, d.attempts
-	FROM unnest($1::smallint[]) AS s(slot)
-	CROSS JOIN LATERAL (SELECT o.ctid AS tid, o.id, o.topic, o.partition_key, o.uuid, o.payload, o.metadata::text AS metadata, o.attempts,
-			octet_length(o.payload) + octet_length(o.metadata::text) <= ` + strconv.Itoa(handLimit) + ` AS handed
-		FROM {schema}.txbox_outbox AS o WHERE o.kind = 'message' AND o.slot = s.slot AND ` +
-	strings.ReplaceAll(messageDue, "{slot}", "s.slot") + `
-		ORDER BY o.id LIMIT 1) AS d`
-
-// handLimit is the largest message (payload and metadata, in bytes) a look hands to the worker
-// whose slot it found it in. A look reads the first due message of every slot it looks into but
-// hands over only the message of a shard with one due slot, so a look of many due slots reads at
-// most 256 such messages for nothing.
-const handLimit = 16 << 10
+// dueSlotsSQL finds which of the slots $1 have a message readMessages would return: one look into
+// the index per slot, stopping at the first due row. dueSlotsOrBalance also answers -1 when the
+// leases call for a balance: a lease of the layout $2 is free (released by a relay that stopped or
+// gave up its extra shards), or the number of live relays is no longer $3.
+var dueSlotsSQL = `SELECT s.slot FROM unnest($1::smallint[]) AS s(slot)
+	WHERE EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS o WHERE o.kind = 'message' AND o.slot = s.slot AND ` +
+	strings.ReplaceAll(messageDue, "{slot}", "s.slot") + `)`
 
 // messageDue says that message row o of slot {slot} is to be published now. A message the broker
 // refused waits until its next attempt, and so does every later message of its partition key

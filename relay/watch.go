@@ -58,11 +58,10 @@ const fastLooks = 16
 func (r *Relay) look(ctx context.Context) bool {
 	r.mu.Lock()
 	parked := map[int]*lease{}
-	parks := map[*lease]uint64{}
 	var slots []int16
 	for shard, l := range r.held {
-		if park := l.parkedIn.Load(); park != 0 {
-			parked[shard], parks[l] = l, park
+		if l.parked.Load() {
+			parked[shard] = l
 			slots = append(slots, l.slots...)
 		}
 	}
@@ -74,9 +73,9 @@ func (r *Relay) look(ctx context.Context) bool {
 	} else if len(parked) == 0 {
 		return false
 	}
-	var due []dueRow
+	var due []int16
 	err := r.read(ctx, query, args, func(rows pgx.Rows) (err error) {
-		due, err = pgx.CollectRows(rows, scanDue)
+		due, err = pgx.CollectRows(rows, pgx.RowTo[int16])
 		return err
 	})
 	if err != nil {
@@ -86,47 +85,27 @@ func (r *Relay) look(ctx context.Context) bool {
 		}
 		return false
 	}
-	dueIn := map[*lease][]dueRow{}
-	for _, d := range due {
-		if d.slot < 0 {
+	dueIn := map[*lease][]int16{}
+	for _, s := range due {
+		if s < 0 {
 			select {
 			case r.rebalance <- struct{}{}:
 			default:
 			}
 			continue
 		}
-		l := parked[int(d.slot)%r.cfg.Shards]
-		dueIn[l] = append(dueIn[l], d)
+		l := parked[int(s)%r.cfg.Shards]
+		dueIn[l] = append(dueIn[l], s)
 	}
-	for l, due := range dueIn {
-		switch {
-		case len(due) > 1:
+	for l, slots := range dueIn {
+		if len(slots) == 1 {
+			l.dueSlot.Store(int32(slots[0]))
+		} else {
 			l.dueSlot.Store(noSlot)
-		case due[0].handed:
-			// Before the wake-up, so that the worker it wakes finds it.
-			l.handed.Store(&handover{park: parks[l], slot: due[0].slot, row: due[0].row})
-			fallthrough
-		default:
-			l.dueSlot.Store(int32(due[0].slot))
 		}
 		l.wakeUp()
 	}
 	return len(dueIn) > 0
-}
-
-// dueRow is a row of the dueSlots query: a slot with messages due, and its first one when the look
-// brought it along (handed).
-type dueRow struct {
-	slot   int16
-	handed bool
-	row    pendingRow
-}
-
-func scanDue(row pgx.CollectableRow) (dueRow, error) {
-	var d dueRow
-	p := &d.row
-	err := row.Scan(&d.slot, &d.handed, &p.tid, &p.id, &p.topic, &p.partitionKey, &p.uuid, &p.payload, &p.metadata, &p.attempts)
-	return d, err
 }
 
 // noSlot is lease.dueSlot's "no one slot".
@@ -146,12 +125,10 @@ func (l *lease) park(published bool) {
 		default:
 		}
 	}
-	l.parks++
-	l.parkedIn.Store(l.parks)
-	defer l.parkedIn.Store(0)
+	l.parked.Store(true)
+	defer l.parked.Store(false)
 	select {
 	case <-l.wake:
-		l.wokeFrom = l.parks
 	case <-l.stop:
 	case <-l.ctx.Done():
 	}
