@@ -127,30 +127,76 @@ func TestAMessageThatFreezesItsHandlerEveryTimeIsDeadLettered(t *testing.T) {
 	require.Zero(t, b.count(t, "effects", ""))
 }
 
+// A handler that waits for a lock someone else holds (a batch job, a migration) under a delivery
+// deadline shorter than LockTimeout gives its attempts back, as it does without the deadline: the
+// wait ends as a lock timeout before the deadline cuts it off. Before, each delivery was cut off by
+// the deadline, charged as a slow attempt, and the healthy message was dead-lettered.
+func TestALockWaitUnderADeadlineGivesItsAttemptBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil) // MaxAttempts: 3, LockTimeout: the default 2 s
+	ctx := context.Background()
+	_, err := b.env.Pool.Exec(ctx, "INSERT INTO "+b.env.Q("effects")+" VALUES ('account', 0)")
+	require.NoError(t, err)
+	h := b.inbox.Middleware(b.handler(func(msg *message.Message) error {
+		tx, _ := inbox.TxFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), "UPDATE "+b.env.Q("effects")+" SET n = n + 1 WHERE id = 'account'")
+		return err
+	}))
+	holder, err := b.env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback(ctx) }) // Committed below, unless the test fails first.
+	_, err = holder.Exec(ctx, "UPDATE "+b.env.Q("effects")+" SET n = n WHERE id = 'account'")
+	require.NoError(t, err)
+
+	msg := newMessage()
+	for i := range 3 { // As many as MaxAttempts: charged, they would dead-letter the next delivery.
+		ctx, cancel := context.WithTimeout(ctx, 1200*time.Millisecond)
+		err := deliverCtx(ctx, h, msg)
+		cancel()
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr, "delivery %d", i+1)
+		require.Equal(t, "55P03", pgErr.Code, "delivery %d ends as a lock timeout", i+1)
+	}
+	require.NoError(t, holder.Commit(ctx))
+	require.NoError(t, deliver(h, msg))
+	require.Zero(t, b.count(t, "txbox_dlq", ""), "a healthy message is not dead-lettered")
+	require.Equal(t, 1, b.count(t, "effects", "id = $1", msg.UUID))
+}
+
 // A handler too slow on a message every time, its statement cut off by a deadline (the delivery's,
 // as a Timeout middleware sets it, or its own), uses up an attempt each time, and the message
 // reaches the dead-letter table. pgx closes the connection of a statement a deadline cuts off:
 // taken for a lost connection, the attempt was given back, and the message retried for ever.
 func TestAMessageWhoseStatementsRunPastTheirDeadlineIsDeadLettered(t *testing.T) {
 	t.Parallel()
-	for name, deliverSlow := range map[string]func(h message.HandlerFunc, msg *message.Message) error{
-		"the delivery's deadline": func(h message.HandlerFunc, msg *message.Message) error {
-			ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-			defer cancel()
-			return deliverCtx(ctx, h, msg)
-		},
-		"the handler's own deadline": deliver,
+	// The delivery's deadline is long enough that the opening round trip, which a deadline cutting
+	// it off leaves uncharged (the handler never ran), ends before it even under load.
+	for name, deadlines := range map[string]struct{ delivery, handler time.Duration }{
+		"the delivery's deadline":    {delivery: time.Second},
+		"the handler's own deadline": {handler: 200 * time.Millisecond},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, nil) // MaxAttempts: 3
 			h := b.inbox.Middleware(b.handler(func(msg *message.Message) error {
 				tx, _ := inbox.TxFromContext(msg.Context())
-				ctx, cancel := context.WithTimeout(msg.Context(), 200*time.Millisecond)
-				defer cancel()
+				ctx := msg.Context()
+				if deadlines.handler > 0 {
+					var cancel context.CancelFunc
+					ctx, cancel = context.WithTimeout(ctx, deadlines.handler)
+					defer cancel()
+				}
 				_, err := tx.Exec(ctx, "SELECT pg_sleep(5)")
 				return err
 			}))
+			deliverSlow := func(h message.HandlerFunc, msg *message.Message) error {
+				if deadlines.delivery == 0 {
+					return deliver(h, msg)
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), deadlines.delivery)
+				defer cancel()
+				return deliverCtx(ctx, h, msg)
+			}
 			msg := newMessage()
 			for i := range 3 {
 				require.ErrorIs(t, deliverSlow(h, msg), context.DeadlineExceeded, "delivery %d", i+1)

@@ -89,8 +89,11 @@ type Config struct {
 	// LockTimeout bounds how long a delivery waits for a lock that another delivery of the same
 	// message holds (a second consumer instance still processing it, or one frozen in its
 	// handler): after it the delivery fails with PostgreSQL's lock_not_available and is retried
-	// like any error, without using up an attempt. If not specified, defaults to
-	// DefaultLockTimeout; a negative value waits without limit.
+	// like any error, without using up an attempt. Under a deadline on the delivery's context (a
+	// Timeout middleware), a wait is also bounded by three quarters of the time left when the
+	// handler's transaction begins, so that it ends as a lock timeout rather than be cut off by the
+	// deadline, which counts as an attempt. If not specified, defaults to DefaultLockTimeout; a
+	// negative value waits without limit.
 	LockTimeout time.Duration
 	// IdleInTransactionTimeout bounds how long the handler's transaction may sit idle, no
 	// statement running, before PostgreSQL ends its session and so releases its locks: a consumer
@@ -256,10 +259,27 @@ type scope struct {
 	consumer, handler, key string
 }
 
-// args are a statement's parameters: the scope ($1 consumer, $2 dedup key, $3 handler), the
-// bounds ($4, $5), then more from $6 (see sql.go).
-func (ib *Inbox) args(s scope, more ...any) []any {
-	return append([]any{s.consumer, s.key, s.handler, ib.bounds[0], ib.bounds[1]}, more...)
+// args are the parameters of a statement run under ctx: the scope ($1 consumer, $2 dedup key, $3
+// handler), the bounds ($4, $5), then more from $6 (see sql.go).
+func (ib *Inbox) args(ctx context.Context, s scope, more ...any) []any {
+	return append([]any{s.consumer, s.key, s.handler, ib.lockTimeout(ctx), ib.bounds[1]}, more...)
+}
+
+// lockTimeout is the lock_timeout, in milliseconds, of statements run under ctx, and of the rest
+// of their transaction. A lock wait that the delivery's deadline (a Timeout middleware's) cuts off
+// would count as a slow attempt (isTransient), though whoever held the lock was slow, not the
+// message: under a deadline, lock waits are bounded by three quarters of the time left, so that a
+// wait that begins early in the transaction ends as a lock timeout, which gives the attempt back.
+func (ib *Inbox) lockTimeout(ctx context.Context) string {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return ib.bounds[0]
+	}
+	wait := max(time.Until(deadline)*3/4, time.Millisecond) // 0 would be PostgreSQL's "no limit".
+	if ib.cfg.LockTimeout > 0 {
+		wait = min(wait, ib.cfg.LockTimeout)
+	}
+	return strconv.FormatInt(wait.Milliseconds(), 10)
 }
 
 // handle returns nil when the message must be acknowledged: processed now, processed before, or
@@ -318,7 +338,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 			failpoint.HitContext(ctx, "inbox.waits-for-suspect") // A suspect runs alone, or is about to.
 			ib.crashDomain.RLock()
 		}
-		mark := marker{args: ib.args(sc)}
+		mark := marker{args: ib.args(ctx, sc)}
 		// The round trip that writes the marker is not cut short when the delivery is cancelled
 		// (the router stopping): the server may have committed the marker before the answer came,
 		// and a marker that is never ended makes the message a crash suspect. Its statements bound
@@ -365,7 +385,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 			failpoint.HitContext(ctx, "inbox.before-run-alone")
 			ib.crashDomain.Lock()
 			defer ib.crashDomain.Unlock()
-			err := ib.cfg.DB.QueryRow(ctx, ib.sql.runAlone, ib.args(sc, ib.cfg.MaxAttempts)...).Scan(&attempts, &mark.lastErr, &alone)
+			err := ib.cfg.DB.QueryRow(ctx, ib.sql.runAlone, ib.args(ctx, sc, ib.cfg.MaxAttempts)...).Scan(&attempts, &mark.lastErr, &alone)
 			switch {
 			case errors.Is(err, pgx.ErrNoRows):
 				// The counter is gone: another delivery settled the message meanwhile, which the
@@ -466,7 +486,7 @@ func (ib *Inbox) endAttempt(ctx context.Context, sc scope, alone, transient bool
 	if !transient {
 		lastErr = cause.Error()
 	}
-	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.endAttempt, ib.args(sc, alone, transient, lastErr)...); err != nil {
+	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.endAttempt, ib.args(ctx, sc, alone, transient, lastErr)...); err != nil {
 		fields := sc.logFields()
 		fields["transient"] = transient
 		ib.logger.Error("Could not record the end of an attempt", err, fields)
@@ -522,7 +542,7 @@ func (s scope) logFields() watermill.LogFields {
 // writing mark first when it is not nil. Its error is errTaken when the message is settled.
 func (ib *Inbox) open(ctx context.Context, msg *message.Message, sc scope, shard *int32, token *int64, mark *marker) (pgx.Tx, error) {
 	failpoint.HitContext(ctx, "inbox.before-begin")
-	tx, tag, err := ib.beginWithRow(ctx, ib.sql.insertInbox, ib.args(sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token), mark)
+	tx, tag, err := ib.beginWithRow(ctx, ib.sql.insertInbox, ib.args(ctx, sc, msg.UUID, message.SubscribeTopicFromCtx(ctx), shard, token), mark)
 	switch {
 	case err != nil && mark != nil && !mark.committed:
 		return nil, err // The marker's: the caller says so.
@@ -582,7 +602,7 @@ func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any, ma
 		batch.Queue("commit")
 		batch.Queue("begin")
 	}
-	batch.Queue(ib.sql.lockGeneration, ib.bounds[0], ib.bounds[1])
+	batch.Queue(ib.sql.lockGeneration, ib.lockTimeout(ctx), ib.bounds[1])
 	batch.Queue(insert, args...)
 	results := ib.cfg.DB.SendBatch(ctx, batch)
 	tx := results.Tx()
@@ -672,7 +692,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 		sc.key = ib.fallbackKey(ctx, msg)
 	}
 	uuid := pgtext.Sanitize(msg.UUID)
-	tx, tag, err := ib.beginWithRow(ctx, ib.sql.insertDead, ib.args(sc, uuid, message.SubscribeTopicFromCtx(ctx)), nil)
+	tx, tag, err := ib.beginWithRow(ctx, ib.sql.insertDead, ib.args(ctx, sc, uuid, message.SubscribeTopicFromCtx(ctx)), nil)
 	if err != nil {
 		return fmt.Errorf("inbox: mark %s dead: %w", sc.key, err)
 	}
@@ -699,7 +719,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 	if err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.args(sc)...); err != nil {
+	if _, err := tx.Exec(ctx, ib.sql.deleteAttempts, ib.args(ctx, sc)...); err != nil {
 		return fmt.Errorf("inbox: clear attempts of %s: %w", sc.key, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -754,7 +774,7 @@ func (ib *Inbox) forgetAttempts(ctx context.Context, sc scope) {
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
-	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.deleteAttempts, ib.args(sc)...); err != nil {
+	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.deleteAttempts, ib.args(ctx, sc)...); err != nil {
 		fields := sc.logFields()
 		fields["error"] = err.Error()
 		ib.logger.Debug("Could not clear attempts of a duplicate", fields)
