@@ -42,9 +42,10 @@ type AdminConfig struct {
 // `txbox outbox list|show|bury`. Its methods take the database as an argument, like River's: a
 // pool, a connection, or a transaction of the caller's. It is safe for concurrent use.
 type Admin struct {
-	shards int // 0: the lease table's layout
-	sql    adminQueries
-	dead   *dlq.Writer
+	shards  int // 0: the lease table's layout
+	sql     adminQueries
+	dead    *dlq.Writer
+	replies *outbox.Writer // a buried call's reply
 }
 
 // NewAdmin validates cfg and returns an Admin.
@@ -60,7 +61,11 @@ func NewAdmin(cfg AdminConfig) (*Admin, error) {
 	if err != nil {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
-	return &Admin{shards: cfg.Shards, sql: renderAdminQueries(schema), dead: dead}, nil
+	replies, err := outbox.New(outbox.Config{Schema: cfg.Schema})
+	if err != nil {
+		return nil, fmt.Errorf("relay: %w", err)
+	}
+	return &Admin{shards: cfg.Shards, sql: renderAdminQueries(schema), dead: dead, replies: replies}, nil
 }
 
 // Queryer is the part of pgx that the admin's reads need; *pgxpool.Pool, *pgx.Conn and pgx.Tx
@@ -235,7 +240,9 @@ func (a *Admin) Get(ctx context.Context, db Queryer, id int64) (Row, error) {
 // both completed and dead, nor dead twice. What it cannot stop is a send already under way: a
 // message a relay is publishing at that moment may reach the broker too (consumers drop the copy a
 // redrive makes later), and a call it is sending may reach the provider; its letter then says what
-// to reconcile.
+// to reconcile. A buried call with a reply topic replies in the same transaction, with outcome
+// outbox.OutcomeDeadLettered and ReasonBuried as its error's code, as a call the relay
+// dead-letters does: whoever waits for the reply would otherwise wait for ever.
 func (a *Admin) Bury(ctx context.Context, db TxBeginner, id int64, reason string) (Row, error) {
 	if strings.TrimSpace(reason) == "" {
 		return Row{}, errors.New("relay: Bury needs a reason, for whoever reads the letter")
@@ -259,11 +266,15 @@ func (a *Admin) Bury(ctx context.Context, db TxBeginner, id int64, reason string
 			detail += "\nlast error: " + row.LastError
 		}
 		buried = row
-		return a.dead.Add(ctx, tx, dlq.Entry{
+		letter := dlq.Entry{
 			Source: dlq.SourceRelay, Kind: row.Kind, Topic: row.Topic, PartitionKey: row.PartitionKey, UUID: row.UUID,
 			Payload: row.Payload, Metadata: row.Metadata, IdempotencyKey: row.IdempotencyKey,
 			Reason: ReasonBuried, Error: detail, Attempts: row.Attempts, FirstFailedAt: row.FirstAttemptAt,
-		})
+		}
+		if err := a.dead.Add(ctx, tx, letter); err != nil || row.Kind != "call" {
+			return err
+		}
+		return replyDeadLettered(ctx, a.replies, tx, letter)
 	})
 	if err != nil {
 		if errors.Is(err, ErrRowNotFound) {

@@ -395,7 +395,7 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 			res.ObjectID, stored, attempts, took.Milliseconds(), first); err != nil {
 			return err
 		}
-		msg, err := c.reply(tx, row, res, meta)
+		msg, err := writeReply(l.ctx, c.replies, tx, row.replyTopic, row.partitionKey, res)
 		if !errors.Is(err, outbox.ErrInvalidMessage) {
 			return err
 		}
@@ -415,10 +415,10 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 	return err
 }
 
-// reply writes the reply message of a call that ended with res to the call's reply topic in tx,
-// and returns it; nil and no error when the call asked for none.
-func (c *caller) reply(tx pgx.Tx, row callRow, res outbox.CallResult, meta map[string]string) (*message.Message, error) {
-	if row.replyTopic == "" {
+// writeReply writes, in tx, the reply message of a call that ended with res to the call's reply
+// topic, keyed by its partition key, and returns it; nil and no error when the call asked for none.
+func writeReply(ctx context.Context, w *outbox.Writer, tx pgx.Tx, replyTopic, partitionKey string, res outbox.CallResult) (*message.Message, error) {
+	if replyTopic == "" {
 		return nil, nil
 	}
 	payload, err := json.Marshal(res)
@@ -428,18 +428,38 @@ func (c *caller) reply(tx pgx.Tx, row callRow, res outbox.CallResult, meta map[s
 	var id string
 	switch res.Outcome {
 	case outbox.OutcomeRejected:
-		id = outbox.RejectedReplyUUID(row.key)
+		id = outbox.RejectedReplyUUID(res.IdempotencyKey)
 	case outbox.OutcomeDeadLettered:
-		id = outbox.DeadLetteredReplyUUID(row.key)
+		id = outbox.DeadLetteredReplyUUID(res.IdempotencyKey)
 	default:
-		id = outbox.ReplyUUID(row.key)
+		id = outbox.ReplyUUID(res.IdempotencyKey)
 	}
 	msg := message.NewMessage(id, payload)
-	for k, val := range meta {
+	for k, val := range res.Metadata {
 		msg.Metadata.Set(k, val)
 	}
-	outbox.SetPartitionKey(msg, row.partitionKey)
-	return msg, c.replies.Publish(c.l.ctx, tx, row.replyTopic, msg)
+	outbox.SetPartitionKey(msg, partitionKey)
+	return msg, w.Publish(ctx, tx, replyTopic, msg)
+}
+
+// replyDeadLettered writes, in tx, the reply of a call moved to the dead-letter table as letter,
+// whether by the relay or by an operator (Admin.Bury): whoever waits for the reply learns that the
+// relay will not do the call. A reply the outbox refuses is left out: the letter, which the call's
+// reply topic names, stands for it.
+func replyDeadLettered(ctx context.Context, w *outbox.Writer, tx pgx.Tx, letter dlq.Entry) error {
+	var name string
+	var req outbox.CallRequest
+	if json.Unmarshal(letter.Payload, &req) == nil {
+		name = req.Name
+	}
+	_, err := writeReply(ctx, w, tx, letter.Topic, letter.PartitionKey, outbox.CallResult{
+		CallUUID: letter.UUID, IdempotencyKey: letter.IdempotencyKey, Name: name, Outcome: outbox.OutcomeDeadLettered,
+		Error: &outbox.CallError{Code: letter.Reason, Message: letter.Error}, Attempts: letter.Attempts, Metadata: letter.Metadata,
+	})
+	if errors.Is(err, outbox.ErrInvalidMessage) {
+		return nil
+	}
+	return err
 }
 
 // bury moves a call to the dead-letter table in its own fenced transaction.
@@ -462,28 +482,15 @@ func (c *caller) buryTx(tx pgx.Tx, row callRow, attempts int, reason, detail str
 	}
 	var meta map[string]string
 	_ = json.Unmarshal([]byte(row.metadata), &meta)
-	if err := r.dead.Add(l.ctx, tx, dlq.Entry{
+	letter := dlq.Entry{
 		Source: dlq.SourceRelay, Kind: "call", Topic: row.replyTopic, PartitionKey: row.partitionKey,
 		UUID: row.uuid, Payload: row.payload, Metadata: meta, IdempotencyKey: row.key,
 		Reason: reason, Error: detail, Attempts: attempts, FirstFailedAt: first,
-	}); err != nil {
+	}
+	if err := r.dead.Add(l.ctx, tx, letter); err != nil {
 		return err
 	}
-	// Whoever waits for the reply learns that the call will not be done by the relay. A reply the
-	// outbox refuses is left out: the letter, which the call's reply topic names, stands for it.
-	var name string
-	var req outbox.CallRequest
-	if json.Unmarshal(row.payload, &req) == nil {
-		name = req.Name
-	}
-	_, err = c.reply(tx, row, outbox.CallResult{
-		CallUUID: row.uuid, IdempotencyKey: row.key, Name: name, Outcome: outbox.OutcomeDeadLettered,
-		Error: &outbox.CallError{Code: reason, Message: detail}, Attempts: attempts, Metadata: meta,
-	}, meta)
-	if errors.Is(err, outbox.ErrInvalidMessage) {
-		return nil
-	}
-	return err
+	return replyDeadLettered(l.ctx, c.replies, tx, letter)
 }
 
 // retryIn is the wait before the next attempt: exponential in the call's durable attempt count,

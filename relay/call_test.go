@@ -427,6 +427,33 @@ func (b *callBundle) requireDeadLetteredReply(t *testing.T, key, reason string) 
 	require.Equal(t, key, got.Metadata["payment_id"], "the call's metadata, as on every reply")
 }
 
+// A call an operator buries (txbox outbox bury, the console's Bury) replies like one the relay
+// dead-letters: the application waiting for its reply learns that the relay will not do it. The
+// relay started after the burial publishes the reply and never sends the call.
+func TestABuriedCallReplies(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	key := "pay-buried"
+	b.enqueue(t, chargeCall(key, 700))
+	admin, err := relay.NewAdmin(relay.AdminConfig{Schema: b.env.Schema})
+	require.NoError(t, err)
+	calls, err := admin.List(context.Background(), b.env.Pool, relay.Filter{Kind: "call"})
+	require.NoError(t, err)
+	require.Len(t, calls, 1)
+	_, err = admin.Bury(context.Background(), b.env.Pool, calls[0].ID, "charged by hand, ticket OPS-7")
+	require.NoError(t, err)
+	b.startCallRelay(t, nil)
+	b.requireDeadLetteredReply(t, key, relay.ReasonBuried)
+	reply, err := outbox.ParseCallResult(b.sink.byUUID(outbox.DeadLetteredReplyUUID(key)))
+	require.NoError(t, err)
+	require.Contains(t, reply.Error.Message, "OPS-7", "the operator's reason")
+	require.Eventually(t, func() bool {
+		return b.pendingCalls(t) == 0 && b.count(t, "SELECT count(*) FROM "+b.env.Q("txbox_outbox")) == 0
+	},
+		10*time.Second, 10*time.Millisecond, "the reply went out")
+	require.Zero(t, b.stripe.ChargesFor(key), "a buried call is never sent")
+}
+
 // Stripe may forget a key after 24 hours. A call whose first attempt is older than the replay
 // window is never sent: it goes to the DLQ with a reason that asks a person to reconcile. One just
 // inside the window is still sent.
