@@ -347,7 +347,10 @@ func listenAddr(p *string) *value[string] {
 		if s == "" || s == "off" {
 			return "", nil
 		}
-		return s, hostPort(s)
+		if err := hostPort(s); err != nil {
+			return "", fmt.Errorf(`%w (or "off" for no listener)`, err)
+		}
+		return s, nil
 	}}
 }
 
