@@ -327,6 +327,47 @@ func TestUnreachableDatabaseNamesTheSetting(t *testing.T) {
 	}
 }
 
+// A server that takes the connection and never answers (hung, or another program on its port) is
+// unreachable too: without connect_timeout in the URL, a command waited for it for ever at start.
+func TestADatabaseThatNeverAnswersIsUnreachable(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	silent, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var held []net.Conn // Open, never answered, until the test ends.
+	accepted := make(chan struct{})
+	go func() {
+		defer close(accepted)
+		for {
+			conn, err := silent.Accept()
+			if err != nil {
+				return
+			}
+			held = append(held, conn)
+		}
+	}()
+	t.Cleanup(func() {
+		_ = silent.Close()
+		<-accepted
+		for _, c := range held {
+			_ = c.Close()
+		}
+	})
+	hung := withPassword(t, "postgres://postgres@"+silent.Addr().String()+"/txbox", e.password)
+	for _, args := range [][]string{{"relay", "--kafka-brokers", "127.0.0.1:1", "--metrics-addr", "off"}, {"migrate", "up"}} {
+		t.Run(args[0], func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute) // Far above the default connect timeout.
+			defer cancel()
+			r := e.exec(ctx, nil, map[string]string{"TXBOX_DATABASE_URL": hung}, args...)
+			e.requireNoSecret(t, r)
+			require.NoError(t, ctx.Err(), "the command gave up before being stopped\n%s", r)
+			require.Equal(t, 1, r.code, "%s", r)
+			require.Contains(t, r.stderr, "--database-url / TXBOX_DATABASE_URL: cannot reach PostgreSQL", "%s", r)
+		})
+	}
+}
+
 func TestVersionAndCompletion(t *testing.T) {
 	t.Parallel()
 	e := newCLIEnv(t)

@@ -32,6 +32,11 @@ func (a *app) databaseFlags(cmd *cobra.Command) *database {
 	return d
 }
 
+// defaultConnectTimeout bounds each new connection when the URL sets no connect_timeout: a server
+// that takes the connection and never answers (hung, or something else listening on its port)
+// held a command at its start for ever, where a supervisor must see it fail and restart it.
+const defaultConnectTimeout = 10 * time.Second
+
 // open opens a pool on --database-url and checks that PostgreSQL answers. Its sessions are named
 // after the command ("txbox relay") in pg_stat_activity, unless the URL names them.
 func (d *database) open(ctx context.Context) (*pgxpool.Pool, error) {
@@ -44,13 +49,19 @@ func (d *database) open(ctx context.Context) (*pgxpool.Pool, error) {
 	if cfg.ConnConfig.RuntimeParams["application_name"] == "" {
 		cfg.ConnConfig.RuntimeParams["application_name"] = d.cmd.CommandPath()
 	}
+	if cfg.ConnConfig.ConnectTimeout == 0 {
+		cfg.ConnConfig.ConnectTimeout = defaultConnectTimeout
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
 	}
 	// pgx connects lazily: without this, the first statement's error would name whatever ran it.
-	// pgx's message names the user, host and database, never the password.
-	if err := pool.Ping(ctx); err != nil {
+	// pgx's message names the user, host and database, never the password. The ping is a connect
+	// and one round trip: a server that connects, then hangs, must not hold the command either.
+	pinging, cancel := context.WithTimeout(ctx, 2*cfg.ConnConfig.ConnectTimeout)
+	defer cancel()
+	if err := pool.Ping(pinging); err != nil {
 		pool.Close()
 		return nil, fmt.Errorf("%s: cannot reach PostgreSQL: %w", refOf(d.cmd, "database-url"), err)
 	}
