@@ -91,6 +91,20 @@ func (a *app) relayCommand() *cobra.Command {
 
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
+		// A setting whose default follows another's, as in relay.Config, follows it here too
+		// unless given: before, --poll-interval 50ms alone was refused for the idle interval's 25ms.
+		for _, follows := range []struct {
+			name       string
+			v, atLeast *time.Duration
+		}{
+			{"idle-poll-interval", &s.idlePollInterval, &s.pollInterval},
+			{"max-publish-backoff", &s.maxPublishBackoff, &s.minPublishBackoff},
+			{"max-call-backoff", &s.maxCallBackoff, &s.minCallBackoff},
+		} {
+			if !cmd.Flags().Changed(follows.name) {
+				*follows.v = max(*follows.v, *follows.atLeast)
+			}
+		}
 		if s.callTimeout == 0 {
 			s.callTimeout = s.leaseTTL * 2 / 3
 		} else if s.callTimeout > s.leaseTTL {
