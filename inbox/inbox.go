@@ -146,6 +146,8 @@ type Inbox struct {
 	// duplicates says that the last delivery counted was a duplicate (see handle).
 	duplicates atomic.Bool
 
+	endsFailing streak // of endAttempt's writes
+
 	// crashDomain makes a crash attributable: a crash suspect runs while no other message of the
 	// inbox does (it takes it exclusively, every other delivery shared), so if the process dies
 	// then, the suspect killed it.
@@ -486,11 +488,28 @@ func (ib *Inbox) endAttempt(ctx context.Context, sc scope, alone, transient bool
 	if !transient {
 		lastErr = cause.Error()
 	}
-	if _, err := ib.cfg.DB.Exec(ctx, ib.sql.endAttempt, ib.args(ctx, sc, alone, transient, lastErr)...); err != nil {
-		fields := sc.logFields()
-		fields["transient"] = transient
-		ib.logger.Error("Could not record the end of an attempt", err, fields)
+	_, err := ib.cfg.DB.Exec(ctx, ib.sql.endAttempt, ib.args(ctx, sc, alone, transient, lastErr)...)
+	fields := sc.logFields()
+	fields["transient"] = transient
+	switch first, recovered := ib.endsFailing.report(err); {
+	case first:
+		ib.logger.Error("Could not record the end of an attempt; the message is a crash suspect at its next delivery (logged once until such a record succeeds again)", err, fields)
+	case err != nil:
+		ib.logger.Debug("Could not record the end of an attempt", fields.Add(watermill.LogFields{"error": err}))
+	case recovered:
+		ib.logger.Info("Recording the ends of attempts again", nil)
 	}
+}
+
+// streak tells a failing operation's first failure and its first success after failures apart from
+// the others, so that it is logged once when it starts failing and once when it recovers: in a
+// database outage every delivery's bookkeeping fails.
+type streak struct{ failing atomic.Bool }
+
+// report records how the operation ended and says whether that began or ended a failing streak.
+func (s *streak) report(err error) (first, recovered bool) {
+	was := s.failing.Swap(err != nil)
+	return err != nil && !was, err == nil && was
 }
 
 // isTransient reports whether err, which ended a delivery after its handler was called, is about the

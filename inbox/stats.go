@@ -33,7 +33,7 @@ type statsBuffer struct {
 	due      time.Time              // the earliest time the next background write may start
 	writing  chan struct{}          // closed when the background write in progress ends; nil if none
 	timer    *time.Timer            // armed to write pending counts once due; nil if not armed
-	failing  bool                   // the last write failed, logged once per streak
+	failing  streak                 // of failed writes
 	flushSQL string
 }
 
@@ -174,13 +174,7 @@ func (ib *Inbox) writeStats(ctx context.Context, p map[string]dedupCounts) error
 }
 
 func (ib *Inbox) reportStatsWrite(err error) {
-	s := &ib.stats
-	s.mu.Lock()
-	first := err != nil && !s.failing
-	recovered := err == nil && s.failing
-	s.failing = err != nil
-	s.mu.Unlock()
-	switch {
+	switch first, recovered := ib.stats.failing.report(err); {
 	case first:
 		ib.logger.Error("Could not write the dedup counts; they are kept and written later", err, nil)
 	case recovered:
