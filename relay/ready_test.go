@@ -14,6 +14,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/txbox/txbox/internal/kafkatest"
+	"github.com/txbox/txbox/internal/proctest"
 	"github.com/txbox/txbox/relay"
 )
 
@@ -115,4 +116,39 @@ func TestReadyNamesWhatKeepsTheRelayFromWorking(t *testing.T) {
 	require.NoError(t, <-done)
 	done <- nil // for the cleanup
 	require.True(t, notReadyFor("not running")(), "after Run: %v", r.Ready())
+}
+
+// A relay that executes no calls (no Config.Calls: txbox relay without STRIPE_API_KEY) and holds a
+// shard in which a call waits is not ready, and says why, once in its log too: in a fleet where
+// some relays lacked the key, the calls of the shards they held waited for ever, every relay ready
+// and nothing in the log. Once no call waits there, it is ready again.
+func TestARelayThatExecutesNoCallsIsNotReadyWhileACallWaitsInItsShards(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var logs proctest.Buffer
+	r := b.startRelay(t, func(c *relay.Config) {
+		c.StatsInterval = 20 * time.Millisecond
+		c.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	})
+	require.Eventually(t, func() bool { return r.Ready() == nil && len(r.Shards()) == 4 }, 30*time.Second, 10*time.Millisecond, "%v", r.Ready())
+	ctx := context.Background()
+	tx, err := b.env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = b.writer.Call(ctx, tx, chargeCall("pay-stranded", 100))
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	require.Eventually(t, func() bool {
+		err := r.Ready()
+		return errors.Is(err, relay.ErrNotReady) && strings.Contains(err.Error(), "calls: side-effect calls wait in shards this relay holds")
+	}, 30*time.Second, 10*time.Millisecond, "%v", r.Ready())
+	require.Equal(t, 1, strings.Count(logs.String(), "it executes none"), "logged once\n%s", logs.String())
+
+	admin := newAdmin(t, b, 0)
+	calls, err := admin.List(ctx, b.env.Pool, relay.Filter{Kind: "call"})
+	require.NoError(t, err)
+	require.Len(t, calls, 1)
+	_, err = admin.Bury(ctx, b.env.Pool, calls[0].ID, "charged by hand")
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return r.Ready() == nil }, 30*time.Second, 10*time.Millisecond, "%v", r.Ready())
+	require.Contains(t, logs.String(), "no call waits in the shards this relay holds any more")
 }

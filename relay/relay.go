@@ -154,6 +154,7 @@ type Relay struct {
 	sinkErr   error          // why the broker did not answer at start-up (awaitSink), for Ready
 	dbErr     error          // why the last round of leases failed; nil once the database answers
 	layoutErr error          // why the missing leases could not be made; nil once they need not be
+	stranded  error          // calls wait in shards held by this relay, which executes none
 	winding   sync.WaitGroup // workers of dropped or released leases, still stopping
 }
 
@@ -1018,11 +1019,49 @@ func (r *Relay) reportStats(ctx context.Context) {
 			}
 			r.metrics.StatsTime.SetToCurrentTime()
 		}
+		if r.cfg.Calls == nil {
+			r.checkStranded(ctx)
+		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
+	}
+}
+
+// errStranded is Ready's problem while calls wait in shards held by a relay that executes none.
+var errStranded = errors.New("calls: side-effect calls wait in shards this relay holds, and it executes none (Config.Calls is not set; txbox relay: STRIPE_API_KEY is not set)")
+
+// checkStranded looks for calls in the shards held by this relay, which executes none: in a fleet
+// where some relays lack the provider's key, the calls of the shards they hold would wait for
+// ever, with every relay ready and nothing in the log.
+func (r *Relay) checkStranded(ctx context.Context) {
+	var slots []int16
+	r.mu.Lock()
+	for shard := range r.held {
+		slots = append(slots, slotsOf(shard, r.cfg.Shards)...)
+	}
+	r.mu.Unlock()
+	stranded := false
+	if len(slots) > 0 {
+		if err := (reads{r}).QueryRow(ctx, r.sql.strandedCalls, slots).Scan(&stranded); err != nil {
+			return // The database's trouble is reported by the lease rounds.
+		}
+	}
+	var err error
+	if stranded {
+		err = errStranded
+	}
+	r.mu.Lock()
+	was := r.stranded != nil
+	r.stranded = err
+	r.mu.Unlock()
+	switch {
+	case stranded && !was:
+		r.log.Warn("side-effect calls wait in shards this relay holds, and it executes none: run every relay of the outbox with the provider's key (STRIPE_API_KEY), or the calls of the shards a relay without it holds are never done")
+	case !stranded && was:
+		r.log.Info("no call waits in the shards this relay holds any more")
 	}
 }
 
@@ -1096,14 +1135,15 @@ func (r *Relay) dbOK() {
 var ErrNotReady = errors.New("relay: not ready")
 
 // Ready reports whether the relay is doing its work: nil while Run runs, the database answered
-// the relay's last round of leases, the relay could make the leases the table lacked, and no
-// shard meets an outage of Kafka or of the calls' provider; otherwise an error wrapping
+// the relay's last round of leases, the relay could make the leases the table lacked, no shard
+// meets an outage of Kafka or of the calls' provider, and, for a relay without Config.Calls, no
+// call waits in a shard it holds (checked every StatsInterval); otherwise an error wrapping
 // ErrNotReady that says what is wrong (all of it). txbox relay serves it at /readyz, so that a
 // rolling deployment waits for a new relay to start and an orchestrator sees one that cannot
 // work.
 func (r *Relay) Ready() error {
 	r.mu.Lock()
-	running, dbErr, sinkErr, layoutErr := r.running, r.dbErr, r.sinkErr, r.layoutErr
+	running, dbErr, sinkErr, layoutErr, stranded := r.running, r.dbErr, r.sinkErr, r.layoutErr, r.stranded
 	r.mu.Unlock()
 	switch {
 	case !running && sinkErr != nil:
@@ -1117,6 +1157,9 @@ func (r *Relay) Ready() error {
 	}
 	if layoutErr != nil {
 		problems = append(problems, fmt.Errorf("leases: %w", layoutErr))
+	}
+	if stranded != nil {
+		problems = append(problems, stranded)
 	}
 	for _, o := range []*outage{r.publishing, r.calling} {
 		if err := o.err(); err != nil {

@@ -196,6 +196,7 @@ func TestReadsAreBoundedByTheBatch(t *testing.T) {
 		{"read calls", q.readCalls, DefaultCallBatchSize, func(shard int) []any {
 			return []any{slotsOf(shard, scanShards), DefaultCallBatchSize}
 		}},
+		{"look for calls a relay without calls holds", q.strandedCalls, 0, func(shard int) []any { return []any{slotsOf(shard, scanShards)} }},
 		{"look for due messages", q.dueSlots, 0, func(shard int) []any { return []any{slotsOf(shard, scanShards)} }},
 		{"look for due messages and balance", q.dueSlotsOrBalance, 0, func(shard int) []any { return []any{slotsOf(shard, scanShards), scanShards, 1} }},
 		{"complete messages", q.completeMessages, batch, func(shard int) []any { return []any{first.tids, first.ids, shard, token} }},

@@ -31,7 +31,7 @@ type queries struct {
 	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
 	identity, heartbeat, liveOtherPrefix, forgetNode, liveNodes, pruneNodes, nextExpiry,
 	acquire, missingLeases, renew, release, checkLease,
-	readMessages, readSlotMessages, dueSlots, dueSlotsOrBalance, refuseMessage, deleteRows, buryRow, completeMessages, stats string
+	readMessages, readSlotMessages, dueSlots, dueSlotsOrBalance, refuseMessage, deleteRows, buryRow, completeMessages, stats, strandedCalls string
 
 	readCalls, startCall, rescheduleCall, insertCallResult string
 }
@@ -150,6 +150,10 @@ func renderQueries(schema string, slots int) queries {
 			                  THEN reltuples / relpages * (pg_relation_size(oid) / current_setting('block_size')::bigint)
 			                  ELSE 0 END::bigint AS estimate
 			      FROM pg_catalog.pg_class WHERE oid = '{schema}.txbox_outbox'::regclass) AS e`),
+
+		// Whether a call waits in any of the slots $1, for a relay that executes none: one probe of
+		// the (kind, slot, id) index per slot.
+		strandedCalls: r(`SELECT EXISTS (SELECT FROM {schema}.txbox_outbox WHERE kind = 'call' AND slot = ANY($1::smallint[]))`),
 
 		// Due calls of the lease's slots. A call waits while an earlier call with its partition key
 		// is pending, so calls on one key (charge, then refund) keep their order through retries.
