@@ -34,7 +34,8 @@ type LagConfig struct {
 // committed an offset on, the partition's high-water mark minus that offset, summed per topic. A
 // sustained rise means the consumers fall behind. Partitions a group never committed on are not
 // counted. With transactional publishing each transaction's commit marker takes an offset that no
-// consumer receives, so an idle group shows a lag of up to one per partition; watch the trend.
+// consumer receives, and so does the abort marker of a transaction a killed or fenced relay left
+// open, so an idle group shows a small lag per partition that never drains; watch the trend.
 type LagMonitor struct {
 	cfg LagConfig
 	lag *prometheus.GaugeVec

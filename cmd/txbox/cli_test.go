@@ -210,7 +210,7 @@ func TestUsageErrors(t *testing.T) {
 		{args: append(relay, "--poll-interval", "0"), want: []string{`--poll-interval / TXBOX_POLL_INTERVAL must be a duration from 1ms to 1m`}},
 		{args: relay, env: map[string]string{"TXBOX_POLL_INTERVAL": "soon"}, want: []string{`--poll-interval / TXBOX_POLL_INTERVAL must be a duration from 1ms to 1m, written like 90s, 15m, 36h or 7d, got "soon"`}},
 		{args: append(relay, "--idle-poll-interval", "2m"), want: []string{`--idle-poll-interval / TXBOX_IDLE_POLL_INTERVAL must be a duration from 1ms to 1m`}},
-		{args: append(relay, "--poll-interval", "50ms", "--idle-poll-interval", "10ms"), want: []string{"--idle-poll-interval / TXBOX_IDLE_POLL_INTERVAL must be at least 50ms"}},
+		{args: append(relay, "--poll-interval", "50ms", "--idle-poll-interval", "10ms"), want: []string{"txbox: --idle-poll-interval / TXBOX_IDLE_POLL_INTERVAL must be at least 50ms"}},
 		{args: append(relay, "--transactional", "false"), want: []string{`unknown command "false" for "txbox relay" (a true/false flag takes its value after =, as in --transactional=false)`}},
 		{args: append(relay, "--transactional=maybe"), want: []string{`--transactional / TXBOX_TRANSACTIONAL must be true or false, got "maybe"`}},
 		{args: append(relay, "--owner", " "), want: []string{"--owner / TXBOX_RELAY_OWNER must not be empty"}},
@@ -491,7 +491,8 @@ func TestMigrateDownRefusesWhileMessagesRemain(t *testing.T) {
 
 	r = e.txbox(t, nil, "migrate", "status")
 	require.Zero(t, r.code, r)
-	require.Contains(t, r.stdout, "00001_txbox.sql                pending")
+	require.Contains(t, r.stdout, "00001_txbox.sql                       pending\n", "aligned with the longest name")
+	require.Contains(t, r.stdout, "00013_lease_tokens_from_the_clock.sql pending\n")
 	require.Contains(t, r.stdout, "txbox is not installed in schema "+e.Schema)
 }
 

@@ -157,6 +157,11 @@ func fieldNames(cmd *cobra.Command, err error) error {
 	if msg == err.Error() {
 		return err
 	}
+	// The library's package prefix ("relay: ") would read as the subcommand's name once the
+	// message names flags: "txbox: relay: --kafka-brokers ...".
+	if pkg, rest, ok := strings.Cut(msg, ": "); ok && pkg == strings.ToLower(pkg) && !strings.ContainsAny(pkg, " -") {
+		msg = rest
+	}
 	return &renamedError{msg: msg, err: err}
 }
 

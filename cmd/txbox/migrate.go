@@ -130,14 +130,17 @@ func (a *app) migrateStatus() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			applied := 0
+			applied, width := 0, 0
+			for _, s := range statuses {
+				width = max(width, len(s.Source.Path))
+			}
 			for _, s := range statuses {
 				state := "pending"
 				if s.State == goose.StateApplied {
 					state = "applied " + s.AppliedAt.Format("2006-01-02 15:04:05")
 					applied++
 				}
-				fmt.Fprintf(a.stdout, "%-30s %s\n", s.Source.Path, state)
+				fmt.Fprintf(a.stdout, "%-*s %s\n", width, s.Source.Path, state)
 			}
 			if applied == 0 {
 				fmt.Fprintf(a.stdout, "txbox is not installed in schema %s: run txbox migrate up\n", d.schema)
