@@ -27,7 +27,7 @@ var (
 	ErrCallNotRedrivable = errors.New("dlq: side-effect calls cannot be redriven; reconcile them with the provider by hand, then discard them")
 	// ErrNoMessageID is returned by Redrive when the filter selects the letter of a message that
 	// had no usable id (reason ReasonNoID of the inbox): the outbox publishes only messages with
-	// an id. Publish what should still be processed yourself, then discard the letter.
+	// an id, of at most outbox.MaxUUIDBytes. Publish what should still be processed yourself, then discard the letter.
 	ErrNoMessageID = errors.New("dlq: letters of messages without an id cannot be redriven; publish their payloads again yourself if they should be processed, then discard them")
 	// ErrNoTopic is returned by Redrive when the filter selects the letter of a message whose topic
 	// is not known: an inbox used outside a Watermill router cannot tell which topic a message came

@@ -215,7 +215,7 @@ func (a *Admin) plan(ctx context.Context, db Queryer, f Filter) (RedriveResult, 
 		maxID int64
 		asOf  time.Time
 	)
-	rows, err := db.Query(ctx, a.sql.plan, append(f.args(window{limit: f.Limit}), a.outbox.MaxPayloadBytes())...)
+	rows, err := db.Query(ctx, a.sql.plan, append(f.args(window{limit: f.Limit}), a.outbox.MaxPayloadBytes(), outbox.MaxUUIDBytes)...)
 	if err != nil {
 		return res, window{}, fmt.Errorf("dlq: plan redrive: %w", err)
 	}

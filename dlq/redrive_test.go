@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -196,6 +197,12 @@ func TestRedriveRefusesWhatCannotGoBackToTheOutbox(t *testing.T) {
 		},
 		"message without an id": {
 			bad:  dlq.Entry{Source: dlq.SourceRelay, Topic: "orders", Reason: "no usable id"},
+			want: dlq.ErrNoMessageID, narrow: dlq.Filter{Source: dlq.SourceRelay, Reason: "exhausted"},
+		},
+		// The inbox dead-letters a message whose id is over the outbox's limit, which would refuse it.
+		"message with an id over the outbox's limit": {
+			bad: dlq.Entry{UUID: strings.Repeat("u", outbox.MaxUUIDBytes+1), Source: dlq.SourceRelay, Topic: "orders",
+				Reason: "no usable id"},
 			want: dlq.ErrNoMessageID, narrow: dlq.Filter{Source: dlq.SourceRelay, Reason: "exhausted"},
 		},
 		// An inbox outside a router knows no topic.

@@ -63,16 +63,17 @@ DELETE FROM {schema}.txbox_dlq
 WHERE id IN (SELECT id FROM {schema}.txbox_dlq WHERE ` + filterSQL + openWindowSQL + ` ORDER BY id LIMIT $12)`
 
 // planSQL sizes a redrive before it starts: the letters per topic, kind, whether their message
-// has an id and whether its payload is over the outbox's limit ($14), with the first few ids of
+// has an id the outbox takes (one of at most $15 bytes) and whether its payload is over the
+// outbox's limit ($14), with the first few ids of
 // each group for error messages, the highest id, and the reference time the redrive's ages are
 // measured from.
 const planSQL = `
-SELECT topic, kind, uuid = '', too_large, count(*), (array_agg(id ORDER BY id))[1:10], max(id), now()
+SELECT topic, kind, no_id, too_large, count(*), (array_agg(id ORDER BY id))[1:10], max(id), now()
 FROM (
-    SELECT id, topic, kind, uuid, octet_length(payload) > $14 AS too_large
+    SELECT id, topic, kind, uuid = '' OR octet_length(uuid) > $15 AS no_id, octet_length(payload) > $14 AS too_large
     FROM {schema}.txbox_dlq WHERE ` + filterSQL + openWindowSQL + ` ORDER BY id LIMIT $12
 ) AS s
-GROUP BY topic, kind, uuid = '', too_large
+GROUP BY topic, kind, no_id, too_large
 ORDER BY min(id)`
 
 // lockBatchSQL takes the next batch of a redrive. The plan fixed the reference time $8 and the

@@ -119,6 +119,11 @@ type Config struct {
 	TracerProvider trace.TracerProvider
 }
 
+// MaxDedupKeyBytes is the longest dedup key the inbox takes (by default a message's UUID, for which
+// the outbox has the same limit): its rows are keyed by it in a B-tree index. A message with a
+// longer key goes to the dead-letter table with ReasonNoID.
+const MaxDedupKeyBytes = outbox.MaxUUIDBytes
+
 // Defaults of Config.
 const (
 	DefaultMaxAttempts              = 10
@@ -309,6 +314,11 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 	case !pgtext.Valid(key) || !pgtext.Valid(msg.UUID):
 		// The database refuses such text: the message could be neither recorded nor processed.
 		err = errors.New("the message id or dedup key is not valid UTF-8 or contains NUL")
+		key = ""
+	case len(key) > MaxDedupKeyBytes:
+		// Nor does the inbox's index take such a key: every delivery failed, holding up its
+		// partition for ever.
+		err = fmt.Errorf("dedup key of %d bytes is over the %d-byte limit", len(key), MaxDedupKeyBytes)
 		key = ""
 	}
 	if err != nil {
@@ -759,7 +769,7 @@ func (ib *Inbox) kill(ctx context.Context, msg *message.Message, sc scope, reaso
 // carries (topic, id bytes, payload, metadata). Distinct messages that carry the same are
 // indistinguishable then.
 func (ib *Inbox) fallbackKey(ctx context.Context, msg *message.Message) string {
-	if msg.UUID != "" && pgtext.Valid(msg.UUID) {
+	if msg.UUID != "" && pgtext.Valid(msg.UUID) && len(msg.UUID) <= MaxDedupKeyBytes {
 		return "uuid:" + msg.UUID
 	}
 	topic := message.SubscribeTopicFromCtx(ctx)

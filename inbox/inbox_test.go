@@ -2,8 +2,10 @@ package inbox_test
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -236,11 +238,19 @@ func TestBadInputGoesToDLQAtOnce(t *testing.T) {
 	badID := message.NewMessage("bad-\xff-\x00", []byte("{}"))
 	badMeta := message.NewMessage(watermill.NewUUID(), make([]byte, 65))
 	badMeta.Metadata.Set("note\x00", "\xfe")
-	for _, msg := range []*message.Message{badID, badMeta} {
+	// Nor does its index take an id of 3,000 bytes that do not compress: every delivery failed,
+	// for ever. The limit is MaxDedupKeyBytes.
+	var random strings.Builder
+	for random.Len() < 3000 {
+		random.WriteString(rand.Text())
+	}
+	longID := message.NewMessage(random.String()[:3000], []byte("{}"))
+	for _, msg := range []*message.Message{badID, badMeta, longID} {
 		require.NoError(t, deliver(h, msg))
 		require.NoError(t, deliver(h, msg), "redelivery")
 	}
-	require.Equal(t, 2, b.count(t, "txbox_dlq", "reason = $1", inbox.ReasonNoID))
+	require.Equal(t, 3, b.count(t, "txbox_dlq", "reason = $1", inbox.ReasonNoID))
+	require.Equal(t, 1, b.count(t, "txbox_dlq", "reason = $1 AND error LIKE 'dedup key of 3000 bytes is over the 1024-byte limit%'", inbox.ReasonNoID))
 	require.Equal(t, 2, b.count(t, "txbox_dlq", "reason = $1", inbox.ReasonTooLarge))
 	require.Equal(t, int64(1), b.calls.Load(), "only the unprocessable message reached the handler")
 	require.Equal(t, 0, b.count(t, "effects", ""))

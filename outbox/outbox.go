@@ -39,6 +39,11 @@ const (
 // maximum record size, less room for headers.
 const DefaultMaxPayloadBytes = 1000 * 1000
 
+// MaxUUIDBytes is the longest message UUID the outbox takes. The inbox keys its rows by it (the
+// default dedup key), with the consumer and handler names, in a B-tree index whose entries hold at
+// most 2,704 bytes: a longer id could be neither recorded nor processed by a consumer.
+const MaxUUIDBytes = 1024
+
 // ReservedMetadata is the metadata key Publish refuses: watermill-kafka's marshaler stores the
 // message UUID under it.
 const ReservedMetadata = "_watermill_message_uuid"
@@ -190,6 +195,8 @@ func (w *Writer) validate(msg *message.Message) error {
 		return fmt.Errorf("%w: nil message", ErrInvalidMessage)
 	case msg.UUID == "":
 		return fmt.Errorf("%w: empty UUID", ErrInvalidMessage)
+	case len(msg.UUID) > MaxUUIDBytes:
+		return fmt.Errorf("%w: UUID of %d bytes is over the %d-byte limit", ErrInvalidMessage, len(msg.UUID), MaxUUIDBytes)
 	case len(msg.Payload) > w.maxPayloadBytes:
 		return fmt.Errorf("%w: %s: payload of %d bytes is over the %d-byte limit", ErrInvalidMessage, msg.UUID, len(msg.Payload), w.maxPayloadBytes)
 	}

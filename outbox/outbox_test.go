@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -177,6 +178,8 @@ func TestInvalidMessagesAreRefusedWholesale(t *testing.T) {
 		"reserved key": {"t", reserved, "reserved"},
 		"too large":    {"t", message.NewMessage(watermill.NewUUID(), make([]byte, 11)), "over the 10-byte limit"},
 		"nil":          {"t", nil, "nil message"},
+		"long uuid": {"t", message.NewMessage(strings.Repeat("u", outbox.MaxUUIDBytes+1), nil),
+			"UUID of 1025 bytes is over the 1024-byte limit"},
 		"binary uuid":  {"t", message.NewMessage("a\x00b", nil), "not valid UTF-8 or contains NUL"},
 		"binary meta":  {"t", badMeta, "metadata"},
 		"NUL in topic": {"t\x00", ok, "topic"},
