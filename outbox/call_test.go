@@ -206,8 +206,17 @@ func TestASecondCallOfTheSameNameInOneTransactionIsRefused(t *testing.T) {
 	require.ErrorIs(t, err, outbox.ErrInvalidCall)
 	require.ErrorContains(t, err, `Call.Name "charge" is already used`)
 	require.ErrorContains(t, err, first, "the error names the shared key")
+	// A call in a savepoint between two of the transaction's own: the check knew only the
+	// Execer of the last call, so the savepoint's made it forget the transaction's names.
+	sp, err := tx.Begin(ctx)
+	require.NoError(t, err)
+	_, err = b.w.Call(ctx, sp, charge("refund"))
+	require.NoError(t, err, "another name, in a savepoint")
+	require.NoError(t, sp.Commit(ctx))
+	_, err = b.w.Call(ctx, tx, charge("charge"))
+	require.ErrorIs(t, err, outbox.ErrInvalidCall, "the transaction's name, after a call in its savepoint")
 	_, err = b.w.Call(ctx, tx, charge("refund"))
-	require.NoError(t, err, "another name")
+	require.NoError(t, err, "a name used in a savepoint is not refused around it")
 	explicit := charge("charge")
 	explicit.IdempotencyKey = "order-7-charge"
 	for range 2 {
@@ -215,7 +224,7 @@ func TestASecondCallOfTheSameNameInOneTransactionIsRefused(t *testing.T) {
 		require.NoError(t, err, "an explicit key is the caller's to repeat")
 	}
 	require.NoError(t, tx.Commit(ctx))
-	require.Equal(t, 4, b.rows(t), "charge, refund and the explicit key's two calls")
+	require.Equal(t, 5, b.rows(t), "charge, the savepoint's refund, refund and the explicit key's two calls")
 
 	again, err := b.write(t, ctx, false, charge("charge"))
 	require.NoError(t, err, "the same name in the next transaction")

@@ -307,43 +307,64 @@ func SourceFromContext(ctx context.Context) (Source, bool) {
 }
 
 // sourceValue is what ContextWithSource stores: the source, and the names of the calls written
-// under it in one transaction (tx). A call through another transaction starts the names anew, so
-// a caller that retries a rolled-back transaction with the same context writes its calls again.
+// under it through each of the last few transactions (a transaction and its savepoints are
+// several, used in any order). A call through another transaction starts its names anew, so a
+// caller that retries a rolled-back transaction with the same context writes its calls again.
 type sourceValue struct {
 	source Source
 
-	mu    sync.Mutex
+	mu  sync.Mutex
+	txs []txNames // the most recently used last
+}
+
+// txNames are the names of the calls written through tx.
+type txNames struct {
 	tx    Execer
 	names map[string]bool
 }
+
+// keptTxs bounds the transactions a sourceValue remembers: a context used for one transaction after
+// another must not hold on to all of them.
+const keptTxs = 8
 
 // written reports whether a call named name was written through tx under this source.
 func (v *sourceValue) written(tx Execer, name string) bool {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	return v.sameTx(tx) && v.names[name]
+	i := v.find(tx)
+	return i >= 0 && v.txs[i].names[name]
 }
 
 // wrote records that a call named name was written through tx.
 func (v *sourceValue) wrote(tx Execer, name string) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	if !v.sameTx(tx) {
-		v.tx, v.names = tx, map[string]bool{}
-		// The value, not its type: a comparable type such as FromSQL's may hold, in an interface,
-		// a value whose comparison panics (a struct of the caller's with a func field, say).
-		if !reflect.ValueOf(tx).Comparable() {
-			// Without identity, no call can be told to be in the same transaction: none is refused.
-			v.tx = nil
-			return
-		}
+	// The value, not its type: a comparable type such as FromSQL's may hold, in an interface, a
+	// value whose comparison panics (a struct of the caller's with a func field, say). Without
+	// identity, no call can be told to be in the same transaction: none is refused.
+	if !reflect.ValueOf(tx).Comparable() {
+		return
 	}
-	v.names[name] = true
+	i := v.find(tx)
+	if i < 0 {
+		if len(v.txs) == keptTxs {
+			v.txs = v.txs[1:]
+		}
+		v.txs = append(v.txs, txNames{tx: tx, names: map[string]bool{}})
+		i = len(v.txs) - 1
+	}
+	v.txs[i].names[name] = true
 }
 
-// sameTx compares identities only when v.tx is set, which it is only for a comparable value, so the
-// comparison cannot panic: a tx of v.tx's dynamic type holds, wherever its comparison goes, values
-// of types v.tx showed to be comparable, or of other types, which compare unequal.
-func (v *sourceValue) sameTx(tx Execer) bool {
-	return v.tx != nil && v.tx == tx
+// find returns the index of tx among the remembered transactions, or -1. Only comparable values are
+// remembered, so the comparison cannot panic: a tx of a remembered one's dynamic type holds,
+// wherever its comparison goes, values of types that one showed to be comparable, or of other
+// types, which compare unequal.
+func (v *sourceValue) find(tx Execer) int {
+	for i, t := range v.txs {
+		if t.tx == tx {
+			return i
+		}
+	}
+	return -1
 }
