@@ -156,6 +156,8 @@ type Relay struct {
 	layoutErr error          // why the missing leases could not be made; nil once they need not be
 	stranded  error          // calls wait in shards held by this relay, which executes none
 	winding   sync.WaitGroup // workers of dropped or released leases, still stopping
+
+	runs atomic.Bool // Run has not returned
 }
 
 // New validates cfg and returns a Relay.
@@ -251,11 +253,20 @@ func (r *Relay) Shards() map[int]int64 {
 	return out
 }
 
+// ErrAlreadyRunning is returned by Run while another Run of the same Relay has not returned: two
+// would share, renew and release one set of leases under one owner, and the first would report
+// itself not running while it works. A Relay may run again once its Run returned.
+var ErrAlreadyRunning = errors.New("relay: Run of this Relay is already running; make a Relay per concurrent Run")
+
 // Run takes leases and publishes until ctx is cancelled, then finishes the batches in flight (for at
 // most one LeaseTTL, however long the broker takes to answer), gives its leases up so other relays
 // take over at once, and returns nil. It returns an error only when it cannot start; a ctx cancelled
 // while it starts is a stop, not a failure: Run returns nil, having held nothing.
 func (r *Relay) Run(ctx context.Context) error {
+	if !r.runs.CompareAndSwap(false, true) {
+		return ErrAlreadyRunning
+	}
+	defer r.runs.Store(false)
 	failpoint.HitContext(ctx, "relay.before-start")
 	// The broker first: a relay registers (in prepareLeases) only once it can publish.
 	if err := r.awaitSink(ctx); err != nil {

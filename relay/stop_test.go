@@ -15,6 +15,7 @@ import (
 
 	"github.com/txbox/txbox/internal/kafkatest"
 	"github.com/txbox/txbox/internal/proctest"
+	"github.com/txbox/txbox/relay"
 )
 
 // TestGracefulStopWhileKafkaHangs makes Kafka stop answering what producers send (requests are
@@ -109,4 +110,21 @@ func TestStopWhileStarting(t *testing.T) {
 	stop()
 	require.Contains(t, logs.String(), "relay stopped before it started")
 	require.Empty(t, r.Shards())
+}
+
+// A second Run of a Relay while its first runs is refused: it shared the first's leases under one
+// owner, released them all when it stopped, and left the first reporting itself not running, for
+// good, while it published.
+func TestASecondConcurrentRunOfARelayIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	r := b.startRelay(t, nil)
+	require.Eventually(t, func() bool { return r.Ready() == nil && len(r.Shards()) == 4 }, 30*time.Second, 10*time.Millisecond, "%v", r.Ready())
+	held := r.Shards()
+	require.ErrorIs(t, r.Run(context.Background()), relay.ErrAlreadyRunning)
+	require.NoError(t, r.Ready())
+	require.Equal(t, held, r.Shards(), "the first Run's leases, untouched")
+	c := b.collect(t)
+	ids := b.write(t, true, "after", 3)
+	require.Eventually(t, func() bool { return c.has(ids...) }, 30*time.Second, 10*time.Millisecond)
 }
