@@ -168,11 +168,15 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 
 // checkExecer refuses a nil tx, which would otherwise panic deep in the write.
 func checkExecer(tx Execer) error {
-	if tx == nil {
+	given := any(tx)
+	if s, ok := tx.(sqlExecer); ok {
+		given = s.tx // FromSQL of a nil *sql.Tx is not nil itself.
+	}
+	if given == nil {
 		return errors.New("outbox: tx is nil")
 	}
-	if v := reflect.ValueOf(tx); v.Kind() == reflect.Pointer && v.IsNil() {
-		return fmt.Errorf("outbox: tx is a nil %T", tx)
+	if v := reflect.ValueOf(given); v.Kind() == reflect.Pointer && v.IsNil() {
+		return fmt.Errorf("outbox: tx is a nil %T", given)
 	}
 	return nil
 }

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"fmt"
 	"strings"
@@ -202,7 +203,8 @@ func TestANilTxIsAnErrorNotAPanic(t *testing.T) {
 	w, err := outbox.New(outbox.Config{})
 	require.NoError(t, err)
 	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", DedupKey: "msg-1"})
-	for name, tx := range map[string]outbox.Execer{"nil": nil, "nil pgx.Tx": pgx.Tx(nil), "nil pool": (*pgxpool.Pool)(nil)} {
+	for name, tx := range map[string]outbox.Execer{"nil": nil, "nil pgx.Tx": pgx.Tx(nil), "nil pool": (*pgxpool.Pool)(nil),
+		"FromSQL of a nil *sql.Tx": outbox.FromSQL((*sql.Tx)(nil)), "FromSQL of nil": outbox.FromSQL(nil)} {
 		require.ErrorContains(t, w.Publish(ctx, tx, "t", message.NewMessage(watermill.NewUUID(), nil)), "tx is", name)
 		_, err := w.Call(ctx, tx, outbox.Call{Name: "charge", Path: "/v1/charges"})
 		require.ErrorContains(t, err, "tx is", name)
