@@ -99,8 +99,12 @@ func printBacklog(w io.Writer, backlog []relay.ShardBacklog, rows []relay.Row, l
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "SHARD\tOWNER\tMESSAGES\tCALLS\tFAILING\tOLDEST")
 	var pending int64
+	busy := 0
 	for _, b := range backlog {
 		pending += b.Messages + b.Calls
+		if b.Messages+b.Calls > 0 {
+			busy++
+		}
 		if b.Messages+b.Calls == 0 && b.Owner != "" {
 			continue
 		}
@@ -113,7 +117,7 @@ func printBacklog(w io.Writer, backlog []relay.ShardBacklog, rows []relay.Row, l
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(w, "%d pending row(s) in %d shard(s); shards without pending rows and with an owner are not shown\n\n", pending, len(backlog))
+	fmt.Fprintf(w, "%d pending row(s) in %d of %d shard(s); shards without pending rows and with an owner are not shown\n\n", pending, busy, len(backlog))
 	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tSHARD\tKIND\tTOPIC\tKEY\tATTEMPTS\tAGE\tLAST ERROR")
 	for _, r := range rows {

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
@@ -20,7 +21,7 @@ func (b *cliBundle) pending(t *testing.T, topic, key string, payload []byte) int
 	ctx := context.Background()
 	w, err := outbox.New(outbox.Config{Schema: b.env.Schema})
 	require.NoError(t, err)
-	msg := outbox.SetPartitionKey(message.NewMessage(fmt.Sprintf("m-%s-%s", topic, key), payload), key)
+	msg := outbox.SetPartitionKey(message.NewMessage(watermill.NewUUID(), payload), key)
 	require.NoError(t, w.Publish(ctx, b.env.Pool, topic, msg))
 	var id int64
 	require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT max(id) FROM `+b.env.Q("txbox_outbox")).Scan(&id))
@@ -35,7 +36,11 @@ func TestOutboxListShowBury(t *testing.T) {
 	shardOf := relay.ShardOf("order-7", "", relay.DefaultShards)
 
 	out := b.ok(t, "outbox", "list")
-	require.Contains(t, out, "2 pending row(s) in 16 shard(s)")
+	busy := "2 of 16"
+	if relay.ShardOf("order-8", "", relay.DefaultShards) == shardOf {
+		busy = "1 of 16"
+	}
+	require.Contains(t, out, "2 pending row(s) in "+busy+" shard(s)", "the shards with pending rows, of all")
 	require.Contains(t, out, "retired.topic")
 	require.Contains(t, out, "2 row(s)")
 
