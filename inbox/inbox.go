@@ -631,7 +631,7 @@ func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any, ma
 		batch.Queue("commit")
 		batch.Queue("begin")
 	}
-	batch.Queue(ib.sql.lockGeneration, ib.lockTimeout(ctx), ib.bounds[1])
+	batch.Queue(ib.sql.lockGeneration, args[3], args[4]) // The insert's bounds (Inbox.args).
 	batch.Queue(insert, args...)
 	results := ib.cfg.DB.SendBatch(ctx, batch)
 	tx := results.Tx()

@@ -154,7 +154,7 @@ type Relay struct {
 	sinkErr   error          // why the broker did not answer at start-up (awaitSink), for Ready
 	dbErr     error          // why the last round of leases failed; nil once the database answers
 	layoutErr error          // why the missing leases could not be made; nil once they need not be
-	stranded  error          // calls wait in shards held by this relay, which executes none
+	stranded  bool           // calls wait in shards held by this relay, which executes none
 	winding   sync.WaitGroup // workers of dropped or released leases, still stopping
 
 	runs atomic.Bool // Run has not returned
@@ -1060,13 +1060,9 @@ func (r *Relay) checkStranded(ctx context.Context) {
 			return // The database's trouble is reported by the lease rounds.
 		}
 	}
-	var err error
-	if stranded {
-		err = errStranded
-	}
 	r.mu.Lock()
-	was := r.stranded != nil
-	r.stranded = err
+	was := r.stranded
+	r.stranded = stranded
 	r.mu.Unlock()
 	switch {
 	case stranded && !was:
@@ -1169,8 +1165,8 @@ func (r *Relay) Ready() error {
 	if layoutErr != nil {
 		problems = append(problems, fmt.Errorf("leases: %w", layoutErr))
 	}
-	if stranded != nil {
-		problems = append(problems, stranded)
+	if stranded {
+		problems = append(problems, errStranded)
 	}
 	for _, o := range []*outage{r.publishing, r.calling} {
 		if err := o.err(); err != nil {
