@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"fmt"
 	"net/url"
 	"strings"
 	"testing"
@@ -229,6 +230,32 @@ func TestASecondCallOfTheSameNameInOneTransactionIsRefused(t *testing.T) {
 	again, err := b.write(t, ctx, false, charge("charge"))
 	require.NoError(t, err, "the same name in the next transaction")
 	require.Equal(t, first, again)
+}
+
+// A handler's transaction that writes a call, then one savepoint after another (a line item each),
+// and calls through itself in between, stays remembered however many savepoints it opens: the
+// check forgets the least recently used transaction, not the first it saw, which made a second
+// "charge" through the transaction share the first's key.
+func TestATransactionInUseIsRememberedAcrossManySavepoints(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: "msg-1"})
+	tx, err := b.env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = b.w.Call(ctx, tx, charge("charge"))
+	require.NoError(t, err)
+	for i := range 100 {
+		sp, err := tx.Begin(ctx)
+		require.NoError(t, err)
+		_, err = b.w.Call(ctx, sp, charge(fmt.Sprintf("item-%d", i)))
+		require.NoError(t, err)
+		require.NoError(t, sp.Commit(ctx))
+		_, err = b.w.Call(ctx, tx, charge(fmt.Sprintf("fee-%d", i)))
+		require.NoError(t, err)
+	}
+	_, err = b.w.Call(ctx, tx, charge("charge"))
+	require.ErrorIs(t, err, outbox.ErrInvalidCall, "a second charge through the transaction, after 100 savepoints")
 }
 
 // hookedTx is a database/sql transaction wrapper of the kind a service may pass to FromSQL by

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"sync"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -328,8 +329,9 @@ type txNames struct {
 }
 
 // keptTxs bounds the transactions a sourceValue remembers: a context used for one transaction after
-// another must not hold on to all of them.
-const keptTxs = 8
+// another must not hold on to all of them. A transaction is forgotten only once this many others
+// (its savepoints, say) were written through after its last call.
+const keptTxs = 64
 
 // written reports whether a call named name was written through tx under this source.
 func (v *sourceValue) written(tx Execer, name string) bool {
@@ -349,15 +351,15 @@ func (v *sourceValue) wrote(tx Execer, name string) {
 	if !reflect.ValueOf(tx).Comparable() {
 		return
 	}
-	i := v.find(tx)
-	if i < 0 {
-		if len(v.txs) == keptTxs {
-			v.txs = v.txs[1:]
-		}
-		v.txs = append(v.txs, txNames{tx: tx, names: map[string]bool{}})
-		i = len(v.txs) - 1
+	t := txNames{tx: tx, names: map[string]bool{}}
+	if i := v.find(tx); i >= 0 {
+		t = v.txs[i]
+		v.txs = slices.Delete(v.txs, i, i+1)
+	} else if len(v.txs) == keptTxs {
+		v.txs = slices.Delete(v.txs, 0, 1) // The least recently used.
 	}
-	v.txs[i].names[name] = true
+	t.names[name] = true
+	v.txs = append(v.txs, t)
 }
 
 // find returns the index of tx among the remembered transactions, or -1. Only comparable values are
