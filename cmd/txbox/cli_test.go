@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
@@ -341,14 +342,12 @@ func TestDefaultsFollowTheSettingsTheyDependOn(t *testing.T) {
 	}
 }
 
-// A server that takes the connection and never answers (hung, or another program on its port) is
-// unreachable too: without connect_timeout in the URL, a command waited for it for ever at start.
-func TestADatabaseThatNeverAnswersIsUnreachable(t *testing.T) {
-	t.Parallel()
-	e := newCLIEnv(t)
+// silentServer listens on a port of its own, takes every connection and never answers, until the
+// test ends; it returns the address.
+func silentServer(t *testing.T) string {
 	silent, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	var held []net.Conn // Open, never answered, until the test ends.
+	var held []net.Conn
 	accepted := make(chan struct{})
 	go func() {
 		defer close(accepted)
@@ -367,7 +366,15 @@ func TestADatabaseThatNeverAnswersIsUnreachable(t *testing.T) {
 			_ = c.Close()
 		}
 	})
-	hung := withPassword(t, "postgres://postgres@"+silent.Addr().String()+"/txbox", e.password)
+	return silent.Addr().String()
+}
+
+// A server that takes the connection and never answers (hung, or another program on its port) is
+// unreachable too: without connect_timeout in the URL, a command waited for it for ever at start.
+func TestADatabaseThatNeverAnswersIsUnreachable(t *testing.T) {
+	t.Parallel()
+	e := newCLIEnv(t)
+	hung := withPassword(t, "postgres://postgres@"+silentServer(t)+"/txbox", e.password)
 	for _, args := range [][]string{{"relay", "--kafka-brokers", "127.0.0.1:1", "--metrics-addr", "off"}, {"migrate", "up"}} {
 		t.Run(args[0], func(t *testing.T) {
 			t.Parallel()
@@ -380,6 +387,23 @@ func TestADatabaseThatNeverAnswersIsUnreachable(t *testing.T) {
 			require.Contains(t, r.stderr, "--database-url / TXBOX_DATABASE_URL: cannot reach PostgreSQL", "%s", r)
 		})
 	}
+	// pgx gives each host of a URL connect_timeout of its own: the start-up check bounded them all
+	// by twice that, and refused a healthy primary listed after hung standbys.
+	t.Run("healthy host after hung ones", func(t *testing.T) {
+		t.Parallel()
+		healthy, err := pgconn.ParseConfig(e.URL)
+		require.NoError(t, err)
+		var hosts, ports []string
+		for range 3 { // pgx tries a host and port listed twice once.
+			host, port, err := net.SplitHostPort(silentServer(t))
+			require.NoError(t, err)
+			hosts, ports = append(hosts, host), append(ports, port)
+		}
+		dsn := fmt.Sprintf("host=%s,%s port=%s,%d user=%s dbname=%s password=%s connect_timeout=1 sslmode=disable",
+			strings.Join(hosts, ","), healthy.Host, strings.Join(ports, ","), healthy.Port, healthy.User, healthy.Database, e.password)
+		r := e.txbox(t, map[string]string{"TXBOX_DATABASE_URL": dsn}, "migrate", "status")
+		require.Zero(t, r.code, "%s", r)
+	})
 }
 
 func TestVersionAndCompletion(t *testing.T) {

@@ -32,9 +32,10 @@ func (a *app) databaseFlags(cmd *cobra.Command) *database {
 	return d
 }
 
-// defaultConnectTimeout bounds each new connection when the URL sets no connect_timeout: a server
-// that takes the connection and never answers (hung, or something else listening on its port)
-// held a command at its start for ever, where a supervisor must see it fail and restart it.
+// defaultConnectTimeout bounds each new connection when the URL sets no connect_timeout, or 0 (which
+// pgx cannot tell from none, and libpq takes for "wait for ever"): a server that takes the
+// connection and never answers (hung, or something else listening on its port) held a command at
+// its start for ever, where a supervisor must see it fail and restart it.
 const defaultConnectTimeout = 10 * time.Second
 
 // open opens a pool on --database-url and checks that PostgreSQL answers. Its sessions are named
@@ -57,15 +58,27 @@ func (d *database) open(ctx context.Context) (*pgxpool.Pool, error) {
 		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
 	}
 	// pgx connects lazily: without this, the first statement's error would name whatever ran it.
-	// pgx's message names the user, host and database, never the password. The ping is a connect
-	// and one round trip: a server that connects, then hangs, must not hold the command either.
-	pinging, cancel := context.WithTimeout(ctx, 2*cfg.ConnConfig.ConnectTimeout)
-	defer cancel()
-	if err := pool.Ping(pinging); err != nil {
+	// pgx's message names the user, host and database, never the password.
+	if err := ping(ctx, pool, cfg.ConnConfig.ConnectTimeout); err != nil {
 		pool.Close()
 		return nil, fmt.Errorf("%s: cannot reach PostgreSQL: %w", refOf(d.cmd, "database-url"), err)
 	}
 	return pool, nil
+}
+
+// ping connects and makes one round trip. pgx bounds the connect by connect_timeout for each
+// address it tries (the URL may list several hosts, one of them the healthy primary), so only the
+// round trip gets a deadline of its own: a server that connects, then hangs, must not hold the
+// command either.
+func ping(ctx context.Context, pool *pgxpool.Pool, timeout time.Duration) error {
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	return conn.Ping(ctx)
 }
 
 // connect opens a pool and checks that txbox is installed in the schema, so that a mistyped
