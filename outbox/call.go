@@ -115,19 +115,22 @@ func ReplyUUID(idempotencyKey string) string {
 	return uuid.NewSHA1(callNamespace, []byte("reply:"+idempotencyKey)).String()
 }
 
-// RejectedReplyUUID is the UUID of the reply to the call with idempotencyKey when the provider
-// rejected it (OutcomeRejected). The provider stores no outcome for a request it refused, so a
-// call written again with the key, its parameters corrected, executes; its reply, under ReplyUUID,
-// must not be taken by the consumer's inbox for a copy of the rejection.
-func RejectedReplyUUID(idempotencyKey string) string {
-	return uuid.NewSHA1(callNamespace, []byte("rejected-reply:"+idempotencyKey)).String()
+// RejectedReplyUUID is the UUID of the reply to the call with idempotencyKey, stored as outbox row
+// row, when the provider rejected it (OutcomeRejected). The provider stores no outcome for a
+// request it refused, so a call written again with the key, its parameters corrected, executes;
+// its reply, under ReplyUUID, must not be taken by the consumer's inbox for a copy of the
+// rejection, nor a second rejection's (the parameters still wrong) for a copy of the first.
+func RejectedReplyUUID(idempotencyKey string, row int64) string {
+	return uuid.NewSHA1(callNamespace, fmt.Appendf(nil, "rejected-reply:%d:%s", row, idempotencyKey)).String()
 }
 
-// DeadLetteredReplyUUID is the UUID of the reply to the call with idempotencyKey when the relay
-// moved it to the dead-letter table (OutcomeDeadLettered): a call written again with the key may
-// still complete, and its reply, under ReplyUUID, must not be taken for a copy of this one.
-func DeadLetteredReplyUUID(idempotencyKey string) string {
-	return uuid.NewSHA1(callNamespace, []byte("dead-lettered-reply:"+idempotencyKey)).String()
+// DeadLetteredReplyUUID is the UUID of the reply to the call with idempotencyKey, stored as outbox
+// row row, when it was moved to the dead-letter table (OutcomeDeadLettered), by the relay or by an
+// operator: a call written again with the key may still complete, and its reply, under ReplyUUID,
+// must not be taken for a copy of this one, nor the reply of its own burial for a copy of the
+// first's. A row is dead-lettered once, so its reply is one message.
+func DeadLetteredReplyUUID(idempotencyKey string, row int64) string {
+	return uuid.NewSHA1(callNamespace, fmt.Appendf(nil, "dead-lettered-reply:%d:%s", row, idempotencyKey)).String()
 }
 
 // Call writes c into the outbox through tx and returns its idempotency key. Unless c carries an

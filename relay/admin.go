@@ -274,7 +274,7 @@ func (a *Admin) Bury(ctx context.Context, db TxBeginner, id int64, reason string
 		if err := a.dead.Add(ctx, tx, letter); err != nil || row.Kind != "call" {
 			return err
 		}
-		return replyDeadLettered(ctx, a.replies, tx, letter)
+		return replyDeadLettered(ctx, a.replies, tx, id, letter)
 	})
 	if err != nil {
 		if errors.Is(err, ErrRowNotFound) {

@@ -395,7 +395,7 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 			res.ObjectID, stored, attempts, took.Milliseconds(), first); err != nil {
 			return err
 		}
-		msg, err := writeReply(l.ctx, c.replies, tx, row.replyTopic, row.partitionKey, res)
+		msg, err := writeReply(l.ctx, c.replies, tx, row.id, row.replyTopic, row.partitionKey, res)
 		if !errors.Is(err, outbox.ErrInvalidMessage) {
 			return err
 		}
@@ -415,9 +415,10 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 	return err
 }
 
-// writeReply writes, in tx, the reply message of a call that ended with res to the call's reply
-// topic, keyed by its partition key, and returns it; nil and no error when the call asked for none.
-func writeReply(ctx context.Context, w *outbox.Writer, tx pgx.Tx, replyTopic, partitionKey string, res outbox.CallResult) (*message.Message, error) {
+// writeReply writes, in tx, the reply message of the call stored as outbox row row that ended with
+// res to the call's reply topic, keyed by its partition key, and returns it; nil and no error when
+// the call asked for none.
+func writeReply(ctx context.Context, w *outbox.Writer, tx pgx.Tx, row int64, replyTopic, partitionKey string, res outbox.CallResult) (*message.Message, error) {
 	if replyTopic == "" {
 		return nil, nil
 	}
@@ -428,9 +429,9 @@ func writeReply(ctx context.Context, w *outbox.Writer, tx pgx.Tx, replyTopic, pa
 	var id string
 	switch res.Outcome {
 	case outbox.OutcomeRejected:
-		id = outbox.RejectedReplyUUID(res.IdempotencyKey)
+		id = outbox.RejectedReplyUUID(res.IdempotencyKey, row)
 	case outbox.OutcomeDeadLettered:
-		id = outbox.DeadLetteredReplyUUID(res.IdempotencyKey)
+		id = outbox.DeadLetteredReplyUUID(res.IdempotencyKey, row)
 	default:
 		id = outbox.ReplyUUID(res.IdempotencyKey)
 	}
@@ -442,17 +443,17 @@ func writeReply(ctx context.Context, w *outbox.Writer, tx pgx.Tx, replyTopic, pa
 	return msg, w.Publish(ctx, tx, replyTopic, msg)
 }
 
-// replyDeadLettered writes, in tx, the reply of a call moved to the dead-letter table as letter,
-// whether by the relay or by an operator (Admin.Bury): whoever waits for the reply learns that the
-// relay will not do the call. A reply the outbox refuses is left out: the letter, which the call's
-// reply topic names, stands for it.
-func replyDeadLettered(ctx context.Context, w *outbox.Writer, tx pgx.Tx, letter dlq.Entry) error {
+// replyDeadLettered writes, in tx, the reply of the call stored as outbox row row, moved to the
+// dead-letter table as letter, whether by the relay or by an operator (Admin.Bury): whoever waits
+// for the reply learns that the relay will not do the call. A reply the outbox refuses is left out:
+// the letter, which the call's reply topic names, stands for it.
+func replyDeadLettered(ctx context.Context, w *outbox.Writer, tx pgx.Tx, row int64, letter dlq.Entry) error {
 	var name string
 	var req outbox.CallRequest
 	if json.Unmarshal(letter.Payload, &req) == nil {
 		name = req.Name
 	}
-	_, err := writeReply(ctx, w, tx, letter.Topic, letter.PartitionKey, outbox.CallResult{
+	_, err := writeReply(ctx, w, tx, row, letter.Topic, letter.PartitionKey, outbox.CallResult{
 		CallUUID: letter.UUID, IdempotencyKey: letter.IdempotencyKey, Name: name, Outcome: outbox.OutcomeDeadLettered,
 		Error: &outbox.CallError{Code: letter.Reason, Message: letter.Error}, Attempts: letter.Attempts, Metadata: letter.Metadata,
 	})
@@ -490,7 +491,7 @@ func (c *caller) buryTx(tx pgx.Tx, row callRow, attempts int, reason, detail str
 	if err := r.dead.Add(l.ctx, tx, letter); err != nil {
 		return err
 	}
-	return replyDeadLettered(l.ctx, c.replies, tx, letter)
+	return replyDeadLettered(l.ctx, c.replies, tx, row.id, letter)
 }
 
 // retryIn is the wait before the next attempt: exponential in the call's durable attempt count,

@@ -212,6 +212,19 @@ func (s *memSink) replies(key string) []relay.Message {
 	return out
 }
 
+// repliesWith returns the replies published for the call with key that tell outcome.
+func (s *memSink) repliesWith(key, outcome string) []*message.Message {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []*message.Message
+	for _, m := range s.msgs {
+		if res, err := outbox.ParseCallResult(m.Msg); err == nil && res.IdempotencyKey == key && res.Outcome == outcome {
+			out = append(out, m.Msg)
+		}
+	}
+	return out
+}
+
 // byUUID returns the message published with uuid, or nil.
 func (s *memSink) byUUID(uuid string) *message.Message {
 	s.mu.Lock()
@@ -414,17 +427,30 @@ func TestCallKeyReusedWithOtherParamsGoesToDLQ(t *testing.T) {
 // reason, told its reply topic so: whoever waits for its reply would wait for ever.
 func (b *callBundle) requireDeadLetteredReply(t *testing.T, key, reason string) {
 	t.Helper()
-	var reply *message.Message
-	require.Eventually(t, func() bool { reply = b.sink.byUUID(outbox.DeadLetteredReplyUUID(key)); return reply != nil },
+	b.requireDeadLetteredReplies(t, key, reason, 1)
+}
+
+// requireDeadLetteredReplies requires n such replies of calls with key, each under a UUID of its
+// own: the consumer's inbox would take one for a copy of another.
+func (b *callBundle) requireDeadLetteredReplies(t *testing.T, key, reason string, n int) {
+	t.Helper()
+	var replies []*message.Message
+	require.Eventually(t, func() bool { replies = b.sink.repliesWith(key, outbox.OutcomeDeadLettered); return len(replies) >= n },
 		10*time.Second, 10*time.Millisecond, "a reply says that the call was dead-lettered")
-	got, err := outbox.ParseCallResult(reply)
-	require.NoError(t, err)
-	require.Equal(t, outbox.OutcomeDeadLettered, got.Outcome)
-	require.Equal(t, key, got.IdempotencyKey)
-	require.Equal(t, "charge", got.Name)
-	require.Equal(t, reason, got.Error.Code)
-	require.NotEmpty(t, got.Error.Message)
-	require.Equal(t, key, got.Metadata["payment_id"], "the call's metadata, as on every reply")
+	require.Len(t, replies, n)
+	uuids := map[string]bool{outbox.ReplyUUID(key): true} // A later call with the key replies under it.
+	for _, reply := range replies {
+		require.False(t, uuids[reply.UUID], "reply UUID %s taken", reply.UUID)
+		uuids[reply.UUID] = true
+		got, err := outbox.ParseCallResult(reply)
+		require.NoError(t, err)
+		require.Equal(t, outbox.OutcomeDeadLettered, got.Outcome)
+		require.Equal(t, key, got.IdempotencyKey)
+		require.Equal(t, "charge", got.Name)
+		require.Equal(t, reason, got.Error.Code)
+		require.NotEmpty(t, got.Error.Message)
+		require.Equal(t, key, got.Metadata["payment_id"], "the call's metadata, as on every reply")
+	}
 }
 
 // A call an operator buries (txbox outbox bury, the console's Bury) replies like one the relay
@@ -434,17 +460,21 @@ func TestABuriedCallReplies(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
 	key := "pay-buried"
-	b.enqueue(t, chargeCall(key, 700))
 	admin, err := relay.NewAdmin(relay.AdminConfig{Schema: b.env.Schema})
 	require.NoError(t, err)
-	calls, err := admin.List(context.Background(), b.env.Pool, relay.Filter{Kind: "call"})
-	require.NoError(t, err)
-	require.Len(t, calls, 1)
-	_, err = admin.Bury(context.Background(), b.env.Pool, calls[0].ID, "charged by hand, ticket OPS-7")
-	require.NoError(t, err)
+	// Buried, written again with its key (reconciled, to be done after all), and buried again:
+	// the second reply was under the first's UUID, and the consumer's inbox dropped it.
+	for _, ticket := range []string{"OPS-7", "OPS-8"} {
+		b.enqueue(t, chargeCall(key, 700))
+		calls, err := admin.List(context.Background(), b.env.Pool, relay.Filter{Kind: "call"})
+		require.NoError(t, err)
+		require.Len(t, calls, 1)
+		_, err = admin.Bury(context.Background(), b.env.Pool, calls[0].ID, "charged by hand, ticket "+ticket)
+		require.NoError(t, err)
+	}
 	b.startCallRelay(t, nil)
-	b.requireDeadLetteredReply(t, key, relay.ReasonBuried)
-	reply, err := outbox.ParseCallResult(b.sink.byUUID(outbox.DeadLetteredReplyUUID(key)))
+	b.requireDeadLetteredReplies(t, key, relay.ReasonBuried, 2)
+	reply, err := outbox.ParseCallResult(b.sink.repliesWith(key, outbox.OutcomeDeadLettered)[0])
 	require.NoError(t, err)
 	require.Contains(t, reply.Error.Message, "OPS-7", "the operator's reason")
 	require.Eventually(t, func() bool {
@@ -641,8 +671,8 @@ func TestAnAnswerQuotingTheAPIKeyIsNeitherLoggedNorStored(t *testing.T) {
 	res := b.waitResult(t, key)
 	require.Equal(t, outbox.OutcomeRejected, res.outcome)
 	require.NotContains(t, res.body, apiKey)
-	require.Eventually(t, func() bool { return b.sink.byUUID(outbox.RejectedReplyUUID(key)) != nil }, 10*time.Second, 10*time.Millisecond)
-	reply := b.sink.byUUID(outbox.RejectedReplyUUID(key))
+	require.Eventually(t, func() bool { return len(b.sink.repliesWith(key, outbox.OutcomeRejected)) > 0 }, 10*time.Second, 10*time.Millisecond)
+	reply := b.sink.repliesWith(key, outbox.OutcomeRejected)[0]
 	require.NotContains(t, string(reply.Payload), apiKey)
 	got, err := outbox.ParseCallResult(reply)
 	require.NoError(t, err)
@@ -886,8 +916,16 @@ func TestACallRejectedAndWrittenAgainWithItsKeyIsExecuted(t *testing.T) {
 	const key = "order-17-charge"
 	wrong := chargeCall(key, 1000)
 	wrong.Params.Del("currency")
-	b.enqueue(t, wrong)
+	// Rejected twice, its parameters still wrong the second time: each rejection replies under a
+	// UUID of its own, or the consumer's inbox would drop the second as a copy of the first.
+	for n := 1; n <= 2; n++ {
+		b.enqueue(t, wrong)
+		require.Eventually(t, func() bool { return len(b.sink.repliesWith(key, outbox.OutcomeRejected)) == n }, 30*time.Second,
+			10*time.Millisecond, "rejection %d replies", n)
+	}
 	require.Equal(t, outbox.OutcomeRejected, b.waitResult(t, key).outcome)
+	rejections := b.sink.repliesWith(key, outbox.OutcomeRejected)
+	require.NotEqual(t, rejections[0].UUID, rejections[1].UUID)
 
 	b.enqueue(t, chargeCall(key, 1000))
 	require.Eventually(t, func() bool { r, _ := b.result(t, key); return r.outcome == outbox.OutcomeSucceeded }, 30*time.Second,
@@ -901,13 +939,5 @@ func TestACallRejectedAndWrittenAgainWithItsKeyIsExecuted(t *testing.T) {
 	res, err := outbox.ParseCallResult(replies[0].Msg)
 	require.NoError(t, err)
 	require.Equal(t, outbox.OutcomeSucceeded, res.Outcome)
-	b.sink.mu.Lock()
-	defer b.sink.mu.Unlock()
-	var rejections int
-	for _, m := range b.sink.msgs {
-		if m.Msg.UUID == outbox.RejectedReplyUUID(key) {
-			rejections++
-		}
-	}
-	require.Equal(t, 1, rejections, "the rejection had its own reply")
+	require.Len(t, b.sink.repliesWith(key, outbox.OutcomeRejected), 2, "the rejections had replies of their own")
 }
