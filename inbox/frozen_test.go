@@ -163,6 +163,20 @@ func TestALockWaitUnderADeadlineGivesItsAttemptBack(t *testing.T) {
 	require.Equal(t, 1, b.count(t, "effects", "id = $1", msg.UUID))
 }
 
+// A delivery deadline far away (40 days: a caller's "no real deadline") with LockTimeout negative
+// (no limit) bounds lock waits by PostgreSQL's longest lock_timeout: three quarters of the time
+// left was over it, PostgreSQL refused the setting, and every delivery failed before its handler.
+func TestAFarDeadlineWithoutALockTimeoutIsProcessed(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *inbox.Config) { c.LockTimeout = -1 })
+	h := b.inbox.Middleware(b.handler(nil))
+	msg := newMessage()
+	ctx, cancel := context.WithTimeout(context.Background(), 40*24*time.Hour)
+	defer cancel()
+	require.NoError(t, deliverCtx(ctx, h, msg))
+	require.Equal(t, 1, b.count(t, "effects", "id = $1", msg.UUID))
+}
+
 // A handler too slow on a message every time, its statement cut off by a deadline (the delivery's,
 // as a Timeout middleware sets it, or its own), uses up an attempt each time, and the message
 // reaches the dead-letter table. pgx closes the connection of a statement a deadline cuts off:

@@ -124,6 +124,12 @@ type Config struct {
 // longer key goes to the dead-letter table with ReasonNoID.
 const MaxDedupKeyBytes = outbox.MaxUUIDBytes
 
+// MaxNameBytes is the longest consumer name (Config.Consumer) and router handler name the inbox
+// takes: they share the index entries of a message's rows with its dedup key, which PostgreSQL
+// bounds at 2,704 bytes. A delivery to a handler of a longer name fails, naming it; its message
+// stays unacknowledged until the handler is renamed.
+const MaxNameBytes = 256
+
 // Defaults of Config.
 const (
 	DefaultMaxAttempts              = 10
@@ -175,6 +181,9 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	}
 	if !pgtext.Valid(cfg.Consumer) {
 		return nil, fmt.Errorf("inbox: Config.Consumer %q is not valid UTF-8 or contains NUL: the database cannot store it", cfg.Consumer)
+	}
+	if len(cfg.Consumer) > MaxNameBytes {
+		return nil, fmt.Errorf("inbox: Config.Consumer of %d bytes is over the %d-byte limit (inbox.MaxNameBytes)", len(cfg.Consumer), MaxNameBytes)
 	}
 	schema, err := sqlname.Schema(cfg.Schema)
 	if err != nil {
@@ -282,7 +291,9 @@ func (ib *Inbox) lockTimeout(ctx context.Context) string {
 	if !ok {
 		return ib.bounds[0]
 	}
-	wait := max(time.Until(deadline)*3/4, time.Millisecond) // 0 would be PostgreSQL's "no limit".
+	// 0 would be PostgreSQL's "no limit"; above maxTimeout it refuses the setting, and with it
+	// every delivery of a far deadline.
+	wait := min(max(time.Until(deadline)*3/4, time.Millisecond), maxTimeout)
 	if ib.cfg.LockTimeout > 0 {
 		wait = min(wait, ib.cfg.LockTimeout)
 	}
@@ -294,6 +305,11 @@ func (ib *Inbox) lockTimeout(ctx context.Context) string {
 func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error) {
 	consumer := ib.cfg.Consumer
 	sc := scope{consumer: consumer, handler: message.HandlerNameFromCtx(msg.Context())}
+	if len(sc.handler) > MaxNameBytes {
+		// Not the message's fault, nor can it be recorded, even as a dead letter.
+		return fmt.Errorf("inbox: the router handler's name is %d bytes, over the %d-byte limit (inbox.MaxNameBytes); rename the handler",
+			len(sc.handler), MaxNameBytes)
+	}
 	ib.metrics.DedupChecks.WithLabelValues(consumer, sc.handler).Inc()
 	ib.stats.add(sc.handler, 1, 0)
 	defer ib.maybeFlush(false)

@@ -377,3 +377,59 @@ func TestHonouringConsumerWideRowsCostsNoRoundTrip(t *testing.T) {
 	require.Equal(t, int64(2), dupInRouter)
 	require.Equal(t, int64(1), againInRouter)
 }
+
+// Names and ids at their limits together (a consumer and a handler name of MaxNameBytes, an id of
+// MaxDedupKeyBytes) fit the inbox's rows and the dead-letter table; a longer handler name fails
+// every delivery, naming the limit, and leaves its message for a renamed handler. Before, a long
+// consumer name made a message of a 1,024-byte id fail every delivery at the index, neither
+// processed nor dead-lettered.
+func TestNamesAtTheirLimitsFitAndLongerHandlerNamesAreRefused(t *testing.T) {
+	t.Parallel()
+	r := newRig(t, func(c *inbox.Config) { c.Consumer = strings.Repeat("c", inbox.MaxNameBytes) })
+	_, err := inbox.New(inbox.Config{DB: r.env.Pool, Consumer: strings.Repeat("c", inbox.MaxNameBytes+1)}, nil)
+	require.ErrorContains(t, err, "Config.Consumer of 257 bytes")
+
+	long := strings.Repeat("h", inbox.MaxNameBytes)
+	r.router.AddConsumerHandler(long, "orders", r.pubsub, func(msg *message.Message) error {
+		if msg.Metadata.Get("poison") != "" {
+			return inbox.ErrUnprocessable
+		}
+		return r.record(msg)
+	})
+	// A router of its own, whose middleware sees what the inbox returns.
+	refused := make(chan error, 1)
+	other, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	require.NoError(t, err)
+	other.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			select {
+			case refused <- err:
+			default:
+			}
+			return out, err
+		}
+	}, r.inbox.Middleware)
+	other.AddConsumerHandler(strings.Repeat("h", inbox.MaxNameBytes+1), "payments", r.pubsub, func(*message.Message) error { return nil })
+	r.run(t)
+	txtest.RunRouter(t, other)
+	<-r.router.Running()
+	<-other.Running()
+
+	id := strings.Repeat("i", inbox.MaxDedupKeyBytes)
+	poison := message.NewMessage(strings.Repeat("p", inbox.MaxDedupKeyBytes), []byte("{}"))
+	poison.Metadata.Set("poison", "yes")
+	require.NoError(t, r.pubsub.Publish("orders", message.NewMessage(id, []byte("{}")), message.NewMessage(id, []byte("{}")), poison))
+	r.waitAcked(t, 3)
+	require.Equal(t, map[string]map[string]int{long: once(id)}, r.handledBy(t), "processed once, its copy skipped")
+	require.Equal(t, 1, r.count(t, "txbox_dlq", "reason = $1", inbox.ReasonUnprocessable))
+
+	require.NoError(t, r.pubsub.Publish("payments", message.NewMessage("m-1", []byte("{}"))))
+	select {
+	case err := <-refused:
+		require.ErrorContains(t, err, "over the 256-byte limit (inbox.MaxNameBytes); rename the handler")
+	case <-time.After(20 * time.Second):
+		t.Fatal("the delivery to the handler with the long name did not end")
+	}
+	require.Zero(t, r.count(t, "txbox_inbox", "handler = $1", strings.Repeat("h", inbox.MaxNameBytes+1)), "nothing recorded")
+}
