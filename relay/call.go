@@ -382,15 +382,21 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 	// A text column takes neither invalid UTF-8 (a cut multi-byte character, a proxy's bytes) nor NUL.
 	stored := strings.ReplaceAll(strings.ToValidUTF8(string(kept), "\uFFFD"), "\x00", "")
 
-	var unwritable error
+	var (
+		unwritable error
+		buried     bool
+	)
 	err := l.fenced(l.ctx, func(tx pgx.Tx) error {
 		tag, err := tx.Exec(l.ctx, r.sql.deleteRows, []int64{row.id})
 		if err != nil {
 			return err
 		}
-		if tag.RowsAffected() == 0 {
-			return nil // Settled meanwhile: it must not get a second result.
-		}
+		// The lease is still ours, so no relay settled the row: an operator buried it while the
+		// request was at the provider (Admin.Bury cannot stop a send under way). The provider's
+		// answer is kept and replied all the same, after the burial's reply: whoever reconciles
+		// the letter, and the application, must learn that the call was done. The result keeps a
+		// key's first stored outcome, as for any call.
+		buried = tag.RowsAffected() == 0
 		if _, err := tx.Exec(l.ctx, r.sql.insertCallResult, row.key, row.uuid, res.Outcome, res.HTTPStatus,
 			res.ObjectID, stored, attempts, took.Milliseconds(), first); err != nil {
 			return err
@@ -411,6 +417,10 @@ func (c *caller) complete(row callRow, req outbox.CallRequest, v verdict, attemp
 		r.metrics.DeadLetters.WithLabelValues(string(dlq.SourceRelay), ReasonReplyUnwritable).Inc()
 		r.log.Error("the reply of a completed call moved to the dead-letter table", "shard", l.shard,
 			"idempotency_key", row.key, "reason", ReasonReplyUnwritable, "error", unwritable)
+	}
+	if err == nil && buried {
+		r.log.Error("a call buried while its request was at the provider was answered: the answer is stored and replied; reconcile its letter with it",
+			"shard", l.shard, "idempotency_key", row.key, "outcome", res.Outcome, "object_id", res.ObjectID)
 	}
 	return err
 }

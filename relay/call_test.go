@@ -484,6 +484,37 @@ func TestABuriedCallReplies(t *testing.T) {
 	require.Zero(t, b.stripe.ChargesFor(key), "a buried call is never sent")
 }
 
+// A call an operator buries while its request is at the provider is done by the provider all the
+// same: the relay keeps the answer when it comes, as the key's result, and replies with it after
+// the burial's reply, and says so in its log. Before, the completion found the row gone and
+// dropped the answer: the application was told only dead_lettered, and nothing stored the charge.
+func TestACallBuriedWhileAtTheProviderKeepsItsAnswer(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	const key = "pay-buried-in-flight"
+	release := make(chan struct{})
+	b.stripe.Inject(stripetest.Fault{Kind: stripetest.FaultSlow, Key: key, Release: release})
+	var log proctest.Buffer
+	b.startCallRelay(t, func(c *relay.Config) { c.Logger = slog.New(slog.NewTextHandler(&log, nil)) })
+	b.enqueue(t, chargeCall(key, 4200))
+	require.Eventually(t, func() bool { return b.stripe.InFlight(key) }, 30*time.Second, 5*time.Millisecond)
+
+	admin, err := relay.NewAdmin(relay.AdminConfig{Schema: b.env.Schema})
+	require.NoError(t, err)
+	calls, err := admin.List(context.Background(), b.env.Pool, relay.Filter{Kind: "call"})
+	require.NoError(t, err)
+	require.Len(t, calls, 1)
+	_, err = admin.Bury(context.Background(), b.env.Pool, calls[0].ID, "looks stuck")
+	require.NoError(t, err)
+	close(release)
+
+	require.Equal(t, outbox.OutcomeSucceeded, b.waitResult(t, key).outcome, "the provider's answer is the key's result")
+	require.Equal(t, 1, b.stripe.ChargesFor(key))
+	b.requireDeadLetteredReply(t, key, relay.ReasonBuried)
+	require.Eventually(t, func() bool { return len(b.sink.replies(key)) == 1 }, 10*time.Second, 10*time.Millisecond, "the answer is replied")
+	require.Contains(t, log.String(), "a call buried while its request was at the provider was answered")
+}
+
 // Stripe may forget a key after 24 hours. A call whose first attempt is older than the replay
 // window is never sent: it goes to the DLQ with a reason that asks a person to reconcile. One just
 // inside the window is still sent.

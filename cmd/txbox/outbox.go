@@ -173,7 +173,8 @@ func (a *app) outboxBury() *cobra.Command {
 		Long: "Moves one pending row to the dead-letter table (reason \"" + relay.ReasonBuried + "\", your --reason as its\n" +
 			"error). It waits for a relay completing the same row at that moment, so a row is never both\n" +
 			"published and buried by the database's account; a send already under way may still reach Kafka\n" +
-			"(consumers drop the copy a later redrive makes) or the provider (reconcile a buried call).",
+			"(consumers drop the copy a later redrive makes) or the provider: the relay then stores and replies\n" +
+			"the provider's answer when it comes, and logs it (reconcile a buried call with it).",
 		Args: usageArgs(cobra.ExactArgs(1)),
 	}
 	d := a.databaseFlags(cmd)
@@ -200,6 +201,10 @@ func (a *app) outboxBury() *cobra.Command {
 		a.log.Info("outbox row buried", "id", r.ID, "shard", r.Shard, "kind", r.Kind, "topic", r.Topic, "uuid", r.UUID, "reason", reason)
 		fmt.Fprintf(a.stdout, "buried outbox row %d (%s for %s, uuid %s): it is in the dead-letter table now (txbox dlq list --source relay)\n",
 			r.ID, r.Kind, dash(cell(r.Topic)), cell(r.UUID))
+		if r.Kind == "call" && r.Attempts > 0 {
+			// Its last attempt may be at the provider now: nothing records a send under way.
+			fmt.Fprintf(a.stdout, "the call was attempted %d time(s): if a request is at the provider now, the relay stores and replies its answer when it comes, and logs it\n", r.Attempts)
+		}
 		return nil
 	}
 	return cmd

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/url"
 	"strings"
 	"testing"
 
@@ -87,4 +88,17 @@ func TestOutboxListShowBury(t *testing.T) {
 	require.Contains(t, b.fails(t, 1, "outbox", "bury", fmt.Sprint(stuck), "--reason", "again"), "no such pending outbox row")
 	require.Contains(t, b.fails(t, 1, "outbox", "show", fmt.Sprint(stuck)), "no such pending outbox row")
 	b.ok(t, "outbox", "show", fmt.Sprint(other))
+
+	// A call that was attempted may be at the provider as it is buried: bury says what follows.
+	ctx := context.Background()
+	w, err := outbox.New(outbox.Config{Schema: b.env.Schema})
+	require.NoError(t, err)
+	_, err = w.Call(ctx, b.env.Pool, outbox.Call{IdempotencyKey: "order-9-charge", Name: "charge", Path: "/v1/charges",
+		Params: url.Values{"amount": {"100"}, "currency": {"eur"}}})
+	require.NoError(t, err)
+	var call int64
+	require.NoError(t, b.env.Pool.QueryRow(ctx, `UPDATE `+b.env.Q("txbox_outbox")+` SET attempts = 1, first_attempt_at = now()
+		WHERE kind = 'call' RETURNING id`).Scan(&call))
+	out = b.ok(t, "outbox", "bury", fmt.Sprint(call), "--reason", "stuck")
+	require.Contains(t, out, "the call was attempted 1 time(s): if a request is at the provider now, the relay stores and replies its answer")
 }
