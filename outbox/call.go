@@ -186,22 +186,19 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 	}
 	// Only a derived key can be shared by mistake; an explicit key written twice is the caller's
 	// choice (the second call gets the provider's replay of the first).
-	var source *sourceValue
+	insert := w.insertCall
 	if c.IdempotencyKey == "" {
-		source = ctx.Value(sourceKey{}).(*sourceValue) // callKey found it
-		if source.written(tx, c.Name) {
-			return "", fmt.Errorf("%w: Call.Name %q is already used by a call of this message in this transaction: "+
-				"the two would share the idempotency key %s and the provider would execute only the first; give each call its own name",
-				ErrInvalidCall, c.Name, key)
-		}
+		insert = w.insertDerivedCall
 	}
 	id := CallUUID(key)
-	_, err = tx.Exec(ctx, w.insertCall, c.ReplyTopic, SlotOf(partitionKey, id), partitionKey, id, payload, meta, key)
+	tag, err := tx.Exec(ctx, insert, c.ReplyTopic, SlotOf(partitionKey, id), partitionKey, id, payload, meta, key)
 	if err != nil {
 		return "", fmt.Errorf("outbox: insert call %s: %w", key, err)
 	}
-	if source != nil {
-		source.wrote(tx, c.Name)
+	if tag.RowsAffected() == 0 {
+		return "", fmt.Errorf("%w: Call.Name %q is already used by a call of this message in this transaction: "+
+			"the two would share the idempotency key %s and the provider would execute only the first; give each call its own name",
+			ErrInvalidCall, c.Name, key)
 	}
 	return key, nil
 }

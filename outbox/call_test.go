@@ -207,8 +207,9 @@ func TestASecondCallOfTheSameNameInOneTransactionIsRefused(t *testing.T) {
 	require.ErrorIs(t, err, outbox.ErrInvalidCall)
 	require.ErrorContains(t, err, `Call.Name "charge" is already used`)
 	require.ErrorContains(t, err, first, "the error names the shared key")
-	// A call in a savepoint between two of the transaction's own: the check knew only the
-	// Execer of the last call, so the savepoint's made it forget the transaction's names.
+	// A savepoint the transaction keeps commits with it: a name used in it is refused around it
+	// and in a sibling savepoint, whichever came first. The check knew the names per savepoint,
+	// and let two sibling savepoints' "charge" share one key.
 	sp, err := tx.Begin(ctx)
 	require.NoError(t, err)
 	_, err = b.w.Call(ctx, sp, charge("refund"))
@@ -217,7 +218,20 @@ func TestASecondCallOfTheSameNameInOneTransactionIsRefused(t *testing.T) {
 	_, err = b.w.Call(ctx, tx, charge("charge"))
 	require.ErrorIs(t, err, outbox.ErrInvalidCall, "the transaction's name, after a call in its savepoint")
 	_, err = b.w.Call(ctx, tx, charge("refund"))
-	require.NoError(t, err, "a name used in a savepoint is not refused around it")
+	require.ErrorIs(t, err, outbox.ErrInvalidCall, "the released savepoint's name, around it")
+	sibling, err := tx.Begin(ctx)
+	require.NoError(t, err)
+	_, err = b.w.Call(ctx, sibling, charge("refund"))
+	require.ErrorIs(t, err, outbox.ErrInvalidCall, "the released savepoint's name, in its sibling")
+	require.NoError(t, sibling.Rollback(ctx))
+	// A savepoint rolled back takes its call with it: its name is free again (a step retried).
+	sp, err = tx.Begin(ctx)
+	require.NoError(t, err)
+	_, err = b.w.Call(ctx, sp, charge("fee"))
+	require.NoError(t, err)
+	require.NoError(t, sp.Rollback(ctx))
+	_, err = b.w.Call(ctx, tx, charge("fee"))
+	require.NoError(t, err, "the name of a call rolled back with its savepoint")
 	explicit := charge("charge")
 	explicit.IdempotencyKey = "order-7-charge"
 	for range 2 {
@@ -225,7 +239,7 @@ func TestASecondCallOfTheSameNameInOneTransactionIsRefused(t *testing.T) {
 		require.NoError(t, err, "an explicit key is the caller's to repeat")
 	}
 	require.NoError(t, tx.Commit(ctx))
-	require.Equal(t, 5, b.rows(t), "charge, the savepoint's refund, refund and the explicit key's two calls")
+	require.Equal(t, 5, b.rows(t), "charge, the savepoint's refund, fee and the explicit key's two calls")
 
 	again, err := b.write(t, ctx, false, charge("charge"))
 	require.NoError(t, err, "the same name in the next transaction")
@@ -233,9 +247,9 @@ func TestASecondCallOfTheSameNameInOneTransactionIsRefused(t *testing.T) {
 }
 
 // A handler's transaction that writes a call, then one savepoint after another (a line item each),
-// and calls through itself in between, stays remembered however many savepoints it opens: the
-// check forgets the least recently used transaction, not the first it saw, which made a second
-// "charge" through the transaction share the first's key.
+// and calls through itself in between, refuses a second call of the first's name however many
+// savepoints it opened: a check kept in memory forgot the transaction after eight, and the second
+// "charge" shared the first's key.
 func TestATransactionInUseIsRememberedAcrossManySavepoints(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
@@ -259,7 +273,7 @@ func TestATransactionInUseIsRememberedAcrossManySavepoints(t *testing.T) {
 }
 
 // hookedTx is a database/sql transaction wrapper of the kind a service may pass to FromSQL by
-// value: its func field makes it uncomparable, though FromSQL's own type is comparable.
+// value, with a func field.
 type hookedTx struct {
 	tx     *sql.Tx
 	onExec func(query string)
@@ -270,10 +284,10 @@ func (h hookedTx) ExecContext(ctx context.Context, query string, args ...any) (s
 	return h.tx.ExecContext(ctx, query, args...)
 }
 
-// The duplicate-name check compares the Execers of two calls; one that holds an uncomparable value
-// (FromSQL of a struct with a func field) must not make the second call panic. Such an Execer has
-// no identity, so its calls are not checked.
-func TestCallsThroughAnUncomparableSQLExecerDoNotPanic(t *testing.T) {
+// Calls through a database/sql transaction, wrapped as services wrap them, are checked for names
+// used twice as pgx's are: FromSQL passes the rows a write affected on. (The check once compared
+// Execers, and a wrapper with a func field made the comparison panic.)
+func TestCallsThroughADatabaseSQLTransactionAreChecked(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
 	db := stdlib.OpenDBFromPool(b.env.Pool)
@@ -285,12 +299,12 @@ func TestCallsThroughAnUncomparableSQLExecerDoNotPanic(t *testing.T) {
 	defer func() { _ = tx.Rollback() }()
 	execs := 0
 	h := hookedTx{tx: tx, onExec: func(string) { execs++ }}
-	require.NotPanics(t, func() {
-		_, err = b.w.Call(ctx, outbox.FromSQL(h), charge("charge"))
-		require.NoError(t, err)
-		_, err = b.w.Call(ctx, outbox.FromSQL(h), charge("refund"))
-		require.NoError(t, err)
-	})
+	_, err = b.w.Call(ctx, outbox.FromSQL(h), charge("charge"))
+	require.NoError(t, err)
+	_, err = b.w.Call(ctx, outbox.FromSQL(h), charge("refund"))
+	require.NoError(t, err)
+	_, err = b.w.Call(ctx, outbox.FromSQL(tx), charge("charge"))
+	require.ErrorIs(t, err, outbox.ErrInvalidCall, "the same transaction, wrapped or not")
 	require.NoError(t, tx.Commit())
 	require.Equal(t, 2, execs)
 	require.Equal(t, 2, b.rows(t))

@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
-	"slices"
-	"sync"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -16,7 +14,8 @@ import (
 )
 
 // Execer is the part of pgx the outbox needs. pgx.Tx satisfies it, and so do *pgx.Conn and
-// *pgxpool.Pool for writes that need no transaction of their own.
+// *pgxpool.Pool for writes that need no transaction of their own. A wrapper of one must return
+// the command tag it got: Call reads the rows a write affected.
 type Execer interface {
 	Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error)
 }
@@ -64,10 +63,11 @@ type Config struct {
 
 // Writer writes messages into the outbox. It is safe for concurrent use.
 type Writer struct {
-	insertMessage   string
-	insertMessages  string
-	insertCall      string
-	maxPayloadBytes int
+	insertMessage     string
+	insertMessages    string
+	insertCall        string
+	insertDerivedCall string
+	maxPayloadBytes   int
 }
 
 // New validates cfg and returns a Writer.
@@ -83,10 +83,11 @@ func New(cfg Config) (*Writer, error) {
 		cfg.MaxPayloadBytes = DefaultMaxPayloadBytes
 	}
 	return &Writer{
-		insertMessage:   sqlname.Render(insertMessageSQL, schema),
-		insertMessages:  sqlname.Render(insertMessagesSQL, schema),
-		insertCall:      sqlname.Render(insertCallSQL, schema),
-		maxPayloadBytes: cfg.MaxPayloadBytes,
+		insertMessage:     sqlname.Render(insertMessageSQL, schema),
+		insertMessages:    sqlname.Render(insertMessagesSQL, schema),
+		insertCall:        sqlname.Render(insertCallSQL, schema),
+		insertDerivedCall: sqlname.Render(insertDerivedCallSQL, schema),
+		maxPayloadBytes:   cfg.MaxPayloadBytes,
 	}, nil
 }
 
@@ -294,83 +295,12 @@ type Source struct {
 // ContextWithSource records which incoming message is being processed. Side-effect calls written
 // under such a context derive their idempotency keys from it, so a redelivery of the message yields
 // the same keys. The inbox middleware sets it for handlers, anew for each attempt.
-//
-// The context also remembers the names of the calls written under it, so that Writer.Call refuses
-// a second call of the same name in the same transaction: the two would share a key, and the
-// provider would execute only the first.
 func ContextWithSource(ctx context.Context, s Source) context.Context {
-	return context.WithValue(ctx, sourceKey{}, &sourceValue{source: s})
+	return context.WithValue(ctx, sourceKey{}, s)
 }
 
 // SourceFromContext returns what ContextWithSource recorded.
 func SourceFromContext(ctx context.Context) (Source, bool) {
-	v, ok := ctx.Value(sourceKey{}).(*sourceValue)
-	if !ok {
-		return Source{}, false
-	}
-	return v.source, true
-}
-
-// sourceValue is what ContextWithSource stores: the source, and the names of the calls written
-// under it through each of the last few transactions (a transaction and its savepoints are
-// several, used in any order). A call through another transaction starts its names anew, so a
-// caller that retries a rolled-back transaction with the same context writes its calls again.
-type sourceValue struct {
-	source Source
-
-	mu  sync.Mutex
-	txs []txNames // the most recently used last
-}
-
-// txNames are the names of the calls written through tx.
-type txNames struct {
-	tx    Execer
-	names map[string]bool
-}
-
-// keptTxs bounds the transactions a sourceValue remembers: a context used for one transaction after
-// another must not hold on to all of them. A transaction is forgotten only once this many others
-// (its savepoints, say) were written through after its last call.
-const keptTxs = 64
-
-// written reports whether a call named name was written through tx under this source.
-func (v *sourceValue) written(tx Execer, name string) bool {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	i := v.find(tx)
-	return i >= 0 && v.txs[i].names[name]
-}
-
-// wrote records that a call named name was written through tx.
-func (v *sourceValue) wrote(tx Execer, name string) {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	// The value, not its type: a comparable type such as FromSQL's may hold, in an interface, a
-	// value whose comparison panics (a struct of the caller's with a func field, say). Without
-	// identity, no call can be told to be in the same transaction: none is refused.
-	if !reflect.ValueOf(tx).Comparable() {
-		return
-	}
-	t := txNames{tx: tx, names: map[string]bool{}}
-	if i := v.find(tx); i >= 0 {
-		t = v.txs[i]
-		v.txs = slices.Delete(v.txs, i, i+1)
-	} else if len(v.txs) == keptTxs {
-		v.txs = slices.Delete(v.txs, 0, 1) // The least recently used.
-	}
-	t.names[name] = true
-	v.txs = append(v.txs, t)
-}
-
-// find returns the index of tx among the remembered transactions, or -1. Only comparable values are
-// remembered, so the comparison cannot panic: a tx of a remembered one's dynamic type holds,
-// wherever its comparison goes, values of types that one showed to be comparable, or of other
-// types, which compare unequal.
-func (v *sourceValue) find(tx Execer) int {
-	for i, t := range v.txs {
-		if t.tx == tx {
-			return i
-		}
-	}
-	return -1
+	s, ok := ctx.Value(sourceKey{}).(Source)
+	return s, ok
 }

@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"fmt"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -29,7 +30,15 @@ func FromSQL(tx SQLExecer) Execer {
 
 type sqlExecer struct{ tx SQLExecer }
 
+// Exec returns the rows affected in its tag, which Call reads (the statement is an INSERT).
 func (e sqlExecer) Exec(ctx context.Context, query string, args ...any) (pgconn.CommandTag, error) {
-	_, err := e.tx.ExecContext(ctx, query, args...)
-	return pgconn.CommandTag{}, err // the outbox reads only the error
+	res, err := e.tx.ExecContext(ctx, query, args...)
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	return pgconn.NewCommandTag(fmt.Sprintf("INSERT 0 %d", n)), nil
 }
