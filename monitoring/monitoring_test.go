@@ -32,7 +32,7 @@ func exported(t *testing.T) map[string]metric {
 		metrics.NewInbox(reg, "s"),
 		metrics.NewRelay(reg, "s"),
 		metrics.NewCalls(reg, "s"),
-		struct{ Lag *prometheus.GaugeVec }{metrics.NewConsumerLag(reg)},
+		metrics.NewConsumerLag(reg),
 	}
 	out := map[string]metric{}
 	for _, set := range sets {

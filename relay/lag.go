@@ -26,7 +26,8 @@ type LagConfig struct {
 	Sarama *sarama.Config
 	// Logger receives errors, once per failing streak. If not specified, slog.Default().
 	Logger *slog.Logger
-	// Registerer receives txbox_consumer_lag_messages. If not specified, it is not registered.
+	// Registerer receives txbox_consumer_lag_messages and txbox_consumer_lag_timestamp_seconds. If
+	// not specified, they are not registered.
 	Registerer prometheus.Registerer
 }
 
@@ -36,9 +37,11 @@ type LagConfig struct {
 // counted. With transactional publishing each transaction's commit marker takes an offset that no
 // consumer receives, and so does the abort marker of a transaction a killed or fenced relay left
 // open, so an idle group shows a small lag per partition that never drains; watch the trend.
+// It also reports when it last measured each group, txbox_consumer_lag_timestamp_seconds{group}:
+// the lag of a group that cannot be measured keeps its last value.
 type LagMonitor struct {
-	cfg LagConfig
-	lag *prometheus.GaugeVec
+	cfg     LagConfig
+	metrics *metrics.ConsumerLag
 }
 
 // NewLagMonitor validates cfg and returns a LagMonitor.
@@ -58,7 +61,7 @@ func NewLagMonitor(cfg LagConfig) (*LagMonitor, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &LagMonitor{cfg: cfg, lag: metrics.NewConsumerLag(cfg.Registerer)}, nil
+	return &LagMonitor{cfg: cfg, metrics: metrics.NewConsumerLag(cfg.Registerer)}, nil
 }
 
 // Measure returns the current lag per group and topic, and updates the gauge. A group that cannot
@@ -111,8 +114,9 @@ func (m *LagMonitor) Measure(ctx context.Context) (map[string]map[string]int64, 
 		}
 		out[group] = lag
 		for topic, n := range lag {
-			m.lag.WithLabelValues(group, topic).Set(float64(n))
+			m.metrics.Lag.WithLabelValues(group, topic).Set(float64(n))
 		}
+		m.metrics.Measured.WithLabelValues(group).SetToCurrentTime()
 	}
 	return out, errors.Join(failed...)
 }

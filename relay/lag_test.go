@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/internal/kafkatest"
@@ -23,7 +24,8 @@ func TestLagMonitorReportsWhatAGroupHasNotConsumed(t *testing.T) {
 	require.NoError(t, err)
 	b.startRelay(t, func(c *relay.Config) { c.Sink = idempotent })
 	group := "lag-" + watermill.NewShortUUID()
-	mon, err := relay.NewLagMonitor(relay.LagConfig{Brokers: brokers, Groups: []string{group}})
+	reg := prometheus.NewRegistry()
+	mon, err := relay.NewLagMonitor(relay.LagConfig{Brokers: brokers, Groups: []string{group}, Registerer: reg})
 	require.NoError(t, err)
 	ctx := context.Background()
 
@@ -56,7 +58,7 @@ func TestLagMonitorReportsWhatAGroupHasNotConsumed(t *testing.T) {
 	// A group that cannot be measured (this broker may refuse a group it never saw) leaves the
 	// others measured: one missing group took every group's lag away.
 	missing := "lag-missing-" + watermill.NewShortUUID()
-	both, err := relay.NewLagMonitor(relay.LagConfig{Brokers: brokers, Groups: []string{missing, group}})
+	both, err := relay.NewLagMonitor(relay.LagConfig{Brokers: brokers, Groups: []string{missing, group}, Registerer: reg})
 	require.NoError(t, err)
 	lag, err := both.Measure(ctx)
 	if err != nil {
@@ -64,6 +66,36 @@ func TestLagMonitorReportsWhatAGroupHasNotConsumed(t *testing.T) {
 		require.NotContains(t, err.Error(), group+":")
 	}
 	require.Equal(t, int64(5), lag[group][b.topic])
+
+	// The lag of a group that cannot be measured keeps its last value, so when it was last
+	// measured is reported too, and only a measurement that succeeds moves it: a lag alert saw a
+	// flat lag while the group fell behind unmeasured.
+	measured := func(group string) (float64, bool) {
+		families, err := reg.Gather()
+		require.NoError(t, err)
+		for _, f := range families {
+			for _, m := range f.GetMetric() {
+				if f.GetName() == "txbox_consumer_lag_timestamp_seconds" && m.GetLabel()[0].GetValue() == group {
+					return m.GetGauge().GetValue(), true
+				}
+			}
+		}
+		return 0, false
+	}
+	at, ok := measured(group)
+	require.True(t, ok)
+	require.InDelta(t, float64(time.Now().Unix()), at, 60, "a measurement that succeeded is reported")
+	if err != nil {
+		_, ok := measured(missing)
+		require.False(t, ok, "a group that could not be measured has no time of measurement")
+	}
+	// The same gauges, from a monitor whose Kafka does not answer.
+	cutOff, err := relay.NewLagMonitor(relay.LagConfig{Brokers: []string{"127.0.0.1:1"}, Groups: []string{group}, Registerer: reg})
+	require.NoError(t, err)
+	_, err = cutOff.Measure(ctx)
+	require.Error(t, err)
+	again, _ := measured(group)
+	require.Equal(t, at, again, "a measurement that failed leaves the time of the last one")
 }
 
 func TestLagConfigIsValidated(t *testing.T) {

@@ -184,10 +184,24 @@ func NewCalls(reg prometheus.Registerer, schema string) *Calls {
 	}
 }
 
-// NewConsumerLag creates (or finds) the consumer lag gauge in reg.
-func NewConsumerLag(reg prometheus.Registerer) *prometheus.GaugeVec {
-	return register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "txbox_consumer_lag_messages",
-		Help: "Messages published to a topic and not yet committed by a consumer group: high-water mark minus committed offset, summed over the topic's partitions.",
-	}, []string{"group", "topic"}))
+// ConsumerLag are the gauges of relay.LagMonitor.
+type ConsumerLag struct {
+	Lag *prometheus.GaugeVec
+	// Measured tells a lag that is still true from one left over from the last measurement that
+	// succeeded: a gauge keeps its value while the group cannot be measured.
+	Measured *prometheus.GaugeVec
+}
+
+// NewConsumerLag creates (or finds) the consumer lag gauges in reg.
+func NewConsumerLag(reg prometheus.Registerer) *ConsumerLag {
+	return &ConsumerLag{
+		Lag: register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "txbox_consumer_lag_messages",
+			Help: "Messages published to a topic and not yet committed by a consumer group: high-water mark minus committed offset, summed over the topic's partitions.",
+		}, []string{"group", "topic"})),
+		Measured: register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "txbox_consumer_lag_timestamp_seconds",
+			Help: "When the group's lag was last measured (Unix time); txbox_consumer_lag_messages keeps its last value while it cannot be.",
+		}, []string{"group"})),
+	}
 }
