@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"strconv"
@@ -156,7 +157,7 @@ func (a *app) outboxShow() *cobra.Command {
 		defer pool.Close()
 		r, err := admin.Get(ctx, pool, id)
 		if err != nil {
-			return err
+			return explainNotPending(err)
 		}
 		if *asJSON {
 			return writeJSON(a.stdout, toRowJSON(r, true))
@@ -196,7 +197,7 @@ func (a *app) outboxBury() *cobra.Command {
 		defer pool.Close()
 		r, err := admin.Bury(ctx, pool, id, reason)
 		if err != nil {
-			return err
+			return explainNotPending(err)
 		}
 		a.log.Info("outbox row buried", "id", r.ID, "shard", r.Shard, "kind", r.Kind, "topic", r.Topic, "uuid", r.UUID, "reason", reason)
 		fmt.Fprintf(a.stdout, "buried outbox row %d (%s for %s, uuid %s): it is in the dead-letter table now (txbox dlq list --source relay)\n",
@@ -208,6 +209,14 @@ func (a *app) outboxBury() *cobra.Command {
 		return nil
 	}
 	return cmd
+}
+
+// explainNotPending says where a row that is not pending may have gone.
+func explainNotPending(err error) error {
+	if errors.Is(err, relay.ErrRowNotFound) {
+		return fmt.Errorf("%w: it was published, executed or buried since it was listed, or never written (txbox dlq list, txbox status)", err)
+	}
+	return err
 }
 
 func rowID(cmd *cobra.Command, arg string) (int64, error) {
