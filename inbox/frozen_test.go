@@ -171,10 +171,22 @@ func TestAFarDeadlineWithoutALockTimeoutIsProcessed(t *testing.T) {
 	b := setup(t, func(c *inbox.Config) { c.LockTimeout = -1 })
 	h := b.inbox.Middleware(b.handler(nil))
 	msg := newMessage()
-	ctx, cancel := context.WithTimeout(context.Background(), 40*24*time.Hour)
-	defer cancel()
-	require.NoError(t, deliverCtx(ctx, h, msg))
+	for _, far := range []time.Duration{40 * 24 * time.Hour, 150 * 365 * 24 * time.Hour} {
+		ctx, cancel := context.WithTimeout(context.Background(), far)
+		defer cancel()
+		require.NoError(t, deliverCtx(ctx, h, msg), far)
+	}
 	require.Equal(t, 1, b.count(t, "effects", "id = $1", msg.UUID))
+	// A century away, the time left times three overflowed, and lock waits were cut to 1 ms.
+	var set string
+	show := b.inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := inbox.TxFromContext(msg.Context())
+		return nil, tx.QueryRow(msg.Context(), "SHOW lock_timeout").Scan(&set)
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 150*365*24*time.Hour)
+	defer cancel()
+	require.NoError(t, deliverCtx(ctx, show, newMessage()))
+	require.Equal(t, "2147483647ms", set)
 }
 
 // A handler too slow on a message every time, its statement cut off by a deadline (the delivery's,

@@ -292,8 +292,9 @@ func (ib *Inbox) lockTimeout(ctx context.Context) string {
 		return ib.bounds[0]
 	}
 	// 0 would be PostgreSQL's "no limit"; above maxTimeout it refuses the setting, and with it
-	// every delivery of a far deadline.
-	wait := min(max(time.Until(deadline)*3/4, time.Millisecond), maxTimeout)
+	// every delivery of a far deadline. Divided first: a deadline a century away times 3
+	// overflows.
+	wait := min(max(time.Until(deadline)/4*3, time.Millisecond), maxTimeout)
 	if ib.cfg.LockTimeout > 0 {
 		wait = min(wait, ib.cfg.LockTimeout)
 	}
