@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"crypto/sha256"
+	"database/sql"
 	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
@@ -14,6 +15,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // MaxIdempotencyKeyLength is the longest idempotency key Stripe accepts, and so the longest a Call
@@ -151,6 +155,11 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 	if err != nil {
 		return "", err
 	}
+	if c.IdempotencyKey == "" && outsideTransaction(tx) {
+		return "", fmt.Errorf("%w: a call of a derived key needs a transaction: through %T each statement is a transaction of its own, "+
+			"where a second call of Call.Name %q for this message cannot be told; write it in the transaction of the message's other writes, or set Call.IdempotencyKey",
+			ErrInvalidCall, tx, c.Name)
+	}
 	method := strings.ToUpper(c.Method)
 	if method == "" {
 		method = http.MethodPost
@@ -186,21 +195,46 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 	}
 	// Only a derived key can be shared by mistake; an explicit key written twice is the caller's
 	// choice (the second call gets the provider's replay of the first).
+	derived := c.IdempotencyKey == ""
 	insert := w.insertCall
-	if c.IdempotencyKey == "" {
+	if derived {
 		insert = w.insertDerivedCall
 	}
 	id := CallUUID(key)
 	tag, err := tx.Exec(ctx, insert, c.ReplyTopic, SlotOf(partitionKey, id), partitionKey, id, payload, meta, key)
-	if err != nil {
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr) && pgErr.Code == "42703" && strings.Contains(pgErr.Message, "writer_xact"): // undefined_column
+		return "", fmt.Errorf("outbox: insert call %s: the schema lacks migration 00014, which this txbox needs; run txbox migrate up: %w", key, err)
+	case err != nil:
 		return "", fmt.Errorf("outbox: insert call %s: %w", key, err)
-	}
-	if tag.RowsAffected() == 0 {
+	case !derived:
+	case !tag.Insert():
+		return "", fmt.Errorf("outbox: insert call %s: the Execer returned the command tag %q, not an INSERT's: a wrapper must pass pgx's tag on, which Call reads", key, tag)
+	case tag.RowsAffected() == 0:
 		return "", fmt.Errorf("%w: Call.Name %q is already used by a call of this message in this transaction: "+
 			"the two would share the idempotency key %s and the provider would execute only the first; give each call its own name",
 			ErrInvalidCall, c.Name, key)
 	}
 	return key, nil
+}
+
+// outsideTransaction reports whether tx is known to run each statement as a transaction of its
+// own: a pool, or a connection between transactions. A *sql.Conn may be in a transaction begun by
+// hand, and other Execers cannot be asked.
+func outsideTransaction(tx Execer) bool {
+	switch t := tx.(type) {
+	case *pgxpool.Pool:
+		return true
+	case *pgxpool.Conn:
+		return t.Conn().PgConn().TxStatus() == 'I'
+	case *pgx.Conn:
+		return t.PgConn().TxStatus() == 'I'
+	case sqlExecer:
+		_, isDB := t.tx.(*sql.DB)
+		return isDB
+	}
+	return false
 }
 
 func callKey(ctx context.Context, c Call) (string, error) {

@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -270,6 +272,88 @@ func TestATransactionInUseIsRememberedAcrossManySavepoints(t *testing.T) {
 	}
 	_, err = b.w.Call(ctx, tx, charge("charge"))
 	require.ErrorIs(t, err, outbox.ErrInvalidCall, "a second charge through the transaction, after 100 savepoints")
+}
+
+// Outside a transaction (a pool, a connection between transactions, a *sql.DB) each call is a
+// transaction of its own, where a second call of a name for the message cannot be told from the
+// first: a derived key is refused there, an explicit one is not. Inside a transaction begun by
+// hand on a connection, the check works.
+func TestADerivedCallOutsideATransactionIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: "msg-1"})
+	conn, err := b.env.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	db := stdlib.OpenDBFromPool(b.env.Pool)
+	t.Cleanup(func() { _ = db.Close() })
+	for name, tx := range map[string]outbox.Execer{"pool": b.env.Pool, "pool conn": conn, "conn": conn.Conn(), "sql.DB": outbox.FromSQL(db)} {
+		_, err := b.w.Call(ctx, tx, charge("charge"))
+		require.ErrorIs(t, err, outbox.ErrInvalidCall, name)
+		require.ErrorContains(t, err, "a call of a derived key needs a transaction", name)
+		explicit := charge("charge")
+		explicit.IdempotencyKey = "order-7-" + strings.ReplaceAll(name, " ", "-")
+		_, err = b.w.Call(ctx, tx, explicit)
+		require.NoError(t, err, name)
+	}
+	_, err = conn.Exec(ctx, "BEGIN")
+	require.NoError(t, err)
+	_, err = b.w.Call(ctx, conn, charge("charge"))
+	require.NoError(t, err, "in a transaction begun by hand")
+	_, err = b.w.Call(ctx, conn, charge("charge"))
+	require.ErrorIs(t, err, outbox.ErrInvalidCall, "the second, in the same transaction")
+	_, err = conn.Exec(ctx, "COMMIT")
+	require.NoError(t, err)
+	require.Equal(t, 5, b.rows(t), "four explicit calls and the derived one")
+}
+
+// Handlers on a SERIALIZABLE database writing the calls of different messages at once do not fail
+// each other: the check is a unique index's, not a read of the outbox, which took predicate locks
+// and made the second commit fail with a serialization failure.
+func TestSerializableWritersOfDifferentMessagesCallsDoNotConflict(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	bg := context.Background()
+	var txs []pgx.Tx
+	for i := range 2 {
+		tx, err := b.env.Pool.BeginTx(bg, pgx.TxOptions{IsoLevel: pgx.Serializable})
+		require.NoError(t, err)
+		defer func() { _ = tx.Rollback(bg) }()
+		ctx := outbox.ContextWithSource(bg, outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: fmt.Sprint("msg-", i)})
+		_, err = b.w.Call(ctx, tx, charge("charge"))
+		require.NoError(t, err)
+		txs = append(txs, tx)
+	}
+	for i, tx := range txs {
+		require.NoError(t, tx.Commit(bg), "transaction %d", i)
+	}
+}
+
+// taglessTx is a wrapper of the kind services write (tracing, metrics) that returns no command tag.
+type taglessTx struct{ pgx.Tx }
+
+func (e taglessTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	_, err := e.Tx.Exec(ctx, sql, args...)
+	return pgconn.CommandTag{}, err
+}
+
+// An Execer whose tag says nothing gets an error that says so, not that its call's name was used
+// already; a schema without the migration the check needs gets one that names it.
+func TestCallErrorsSayWhatIsWrong(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: "msg-1"})
+	tx, err := b.env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = b.w.Call(ctx, taglessTx{tx}, charge("charge"))
+	require.ErrorContains(t, err, "a wrapper must pass pgx's tag on")
+	require.NotErrorIs(t, err, outbox.ErrInvalidCall)
+	require.NoError(t, tx.Rollback(ctx))
+
+	_, err = b.env.Pool.Exec(ctx, "ALTER TABLE "+b.env.Q("txbox_outbox")+" DROP COLUMN writer_xact")
+	require.NoError(t, err)
+	_, err = b.write(t, ctx, true, charge("charge"))
+	require.ErrorContains(t, err, "the schema lacks migration 00014, which this txbox needs; run txbox migrate up")
 }
 
 // hookedTx is a database/sql transaction wrapper of the kind a service may pass to FromSQL by

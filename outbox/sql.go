@@ -23,12 +23,10 @@ VALUES ('call', $1, $2, $3, $4, $5, $6, $7)`
 
 // insertDerivedCallSQL writes a call of a derived key, unless the transaction already holds one
 // with the key: two calls of one name for one message. pg_current_xact_id is the top-level
-// transaction's id in a savepoint too, and the rows of a savepoint rolled back are gone, so it
-// finds the calls that would commit with this one, wherever in the transaction they were written
-// (migrations/00014_outbox_call_writer.sql).
+// transaction's id in a savepoint too, and the rows of a savepoint rolled back are gone, so the
+// unique index finds the calls that would commit with this one, wherever in the transaction they
+// were written (migrations/00014_outbox_call_writer.sql).
 const insertDerivedCallSQL = `
 INSERT INTO {schema}.txbox_outbox (kind, topic, slot, partition_key, uuid, payload, metadata, idempotency_key, writer_xact)
-SELECT 'call', $1, $2, $3, $4, $5, $6, $7, pg_current_xact_id()
-WHERE NOT EXISTS (
-    SELECT 1 FROM {schema}.txbox_outbox
-    WHERE kind = 'call' AND idempotency_key = $7 AND writer_xact = pg_current_xact_id())`
+VALUES ('call', $1, $2, $3, $4, $5, $6, $7, pg_current_xact_id())
+ON CONFLICT (idempotency_key, writer_xact) WHERE writer_xact IS NOT NULL DO NOTHING`
