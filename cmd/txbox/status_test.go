@@ -28,8 +28,7 @@ func TestStatusCommand(t *testing.T) {
 	require.NoError(t, err)
 	w, err := outbox.New(outbox.Config{Schema: b.env.Schema})
 	require.NoError(t, err)
-	key, err := w.Call(outbox.ContextWithSource(ctx, outbox.Source{Consumer: "billing", DedupKey: "m-3"}), b.env.Pool,
-		outbox.Call{Name: "charge", Path: "/v1/charges"})
+	key, err := w.Call(ctx, b.env.Pool, outbox.Call{IdempotencyKey: "m-3-charge", Name: "charge", Path: "/v1/charges"})
 	require.NoError(t, err)
 	_, err = b.env.Pool.Exec(ctx, "UPDATE "+b.env.Q("txbox_outbox")+" SET attempts = 2, first_attempt_at = now(), last_error = $1", lastErr)
 	require.NoError(t, err)
