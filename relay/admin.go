@@ -241,9 +241,9 @@ func (a *Admin) Get(ctx context.Context, db Queryer, id int64) (Row, error) {
 // message a relay is publishing at that moment may reach the broker too (consumers drop the copy a
 // redrive makes later), and a call it is sending may reach the provider. The relay then keeps the
 // provider's answer when it comes, as the key's result, replies with it after the burial's reply,
-// and logs an error: reconcile the letter with it. A buried call with a reply topic replies in the same transaction, with outcome
-// outbox.OutcomeDeadLettered and ReasonBuried as its error's code, as a call the relay
-// dead-letters does: whoever waits for the reply would otherwise wait for ever.
+// and logs an error: reconcile the letter with it. A buried call with a reply topic replies in the
+// same transaction, with outcome outbox.OutcomeDeadLettered and ReasonBuried as its error's code,
+// as a call the relay dead-letters does: whoever waits for the reply would otherwise wait for ever.
 func (a *Admin) Bury(ctx context.Context, db TxBeginner, id int64, reason string) (Row, error) {
 	if strings.TrimSpace(reason) == "" {
 		return Row{}, errors.New("relay: Bury needs a reason, for whoever reads the letter")
