@@ -50,6 +50,20 @@ func (b *callBundle) write(t *testing.T, ctx context.Context, commit bool, c out
 	return key, err
 }
 
+// handlerCtx is the context of a handler of consumer "payments" processing message "msg-1".
+func handlerCtx() context.Context {
+	return outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: "msg-1"})
+}
+
+// begin begins a transaction that the test's end rolls back, unless it was committed.
+func (b *callBundle) begin(t *testing.T, ctx context.Context) pgx.Tx {
+	t.Helper()
+	tx, err := b.env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	return tx
+}
+
 func (b *callBundle) rows(t *testing.T) int {
 	t.Helper()
 	var n int
@@ -198,11 +212,9 @@ func TestCallWithExplicitKeyAndPartitionKey(t *testing.T) {
 func TestASecondCallOfTheSameNameInOneTransactionIsRefused(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
-	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: "msg-1"})
+	ctx := handlerCtx()
 
-	tx, err := b.env.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }() // a failed check must not leave the schema locked
+	tx := b.begin(t, ctx) // a failed check must not leave the schema locked
 	first, err := b.w.Call(ctx, tx, charge("charge"))
 	require.NoError(t, err)
 	_, err = b.w.Call(ctx, tx, charge("charge"))
@@ -255,11 +267,9 @@ func TestASecondCallOfTheSameNameInOneTransactionIsRefused(t *testing.T) {
 func TestATransactionInUseIsRememberedAcrossManySavepoints(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
-	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: "msg-1"})
-	tx, err := b.env.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
-	_, err = b.w.Call(ctx, tx, charge("charge"))
+	ctx := handlerCtx()
+	tx := b.begin(t, ctx)
+	_, err := b.w.Call(ctx, tx, charge("charge"))
 	require.NoError(t, err)
 	for i := range 100 {
 		sp, err := tx.Begin(ctx)
@@ -281,7 +291,7 @@ func TestATransactionInUseIsRememberedAcrossManySavepoints(t *testing.T) {
 func TestADerivedCallOutsideATransactionIsRefused(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
-	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: "msg-1"})
+	ctx := handlerCtx()
 	conn, err := b.env.Pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
@@ -342,7 +352,7 @@ func (e taglessTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.Co
 func TestCallErrorsSayWhatIsWrong(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
-	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: "msg-1"})
+	ctx := handlerCtx()
 	tx, err := b.env.Pool.Begin(ctx)
 	require.NoError(t, err)
 	_, err = b.w.Call(ctx, taglessTx{tx}, charge("charge"))
@@ -376,7 +386,7 @@ func TestCallsThroughADatabaseSQLTransactionAreChecked(t *testing.T) {
 	b := setupCalls(t)
 	db := stdlib.OpenDBFromPool(b.env.Pool)
 	t.Cleanup(func() { _ = db.Close() })
-	ctx := outbox.ContextWithSource(context.Background(), outbox.Source{Consumer: "payments", Handler: "billing", DedupKey: "msg-1"})
+	ctx := handlerCtx()
 
 	tx, err := db.BeginTx(ctx, nil)
 	require.NoError(t, err)
