@@ -145,8 +145,11 @@ func DeadLetteredReplyUUID(idempotencyKey string, row int64) string {
 //
 // It returns an error wrapping ErrInvalidCall, and writes nothing, when c cannot be executed or no
 // key can be had: outside a handler, set IdempotencyKey, or call ContextWithSource with something
-// stable first (a Source without a DedupKey is none: every call of a name would share its key). A second call with a derived key of the same Name in one transaction is refused
-// the same way: it would share the first one's key.
+// stable first (a Source without a DedupKey is none: every call of a name would share its key). A
+// second call with a derived key of the same Name in one transaction is refused the same way: it
+// would share the first one's key. So is a call with a derived key through an Execer outside a
+// transaction (a pool, a *sql.DB), where each statement is a transaction of its own and a second
+// call cannot be told from the first.
 func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey string, err error) {
 	if err := checkExecer(tx); err != nil {
 		return "", err
@@ -154,11 +157,6 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 	key, err := callKey(ctx, c)
 	if err != nil {
 		return "", err
-	}
-	if c.IdempotencyKey == "" && outsideTransaction(tx) {
-		return "", fmt.Errorf("%w: a call of a derived key needs a transaction: through %T each statement is a transaction of its own, "+
-			"where a second call of Call.Name %q for this message cannot be told; write it in the transaction of the message's other writes, or set Call.IdempotencyKey",
-			ErrInvalidCall, tx, c.Name)
 	}
 	method := strings.ToUpper(c.Method)
 	if method == "" {
@@ -199,6 +197,15 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 	insert := w.insertCall
 	if derived {
 		insert = w.insertDerivedCall
+		in, err := inTransaction(ctx, tx)
+		if err != nil {
+			return "", fmt.Errorf("outbox: call %s: %w", key, err)
+		}
+		if !in {
+			return "", fmt.Errorf("%w: a call of a derived key needs a transaction: through %T each statement is a transaction of its own, "+
+				"where a second call of Call.Name %q for this message cannot be told; write it in the transaction of the message's other writes, or set Call.IdempotencyKey",
+				ErrInvalidCall, tx, c.Name)
+		}
 	}
 	id := CallUUID(key)
 	tag, err := tx.Exec(ctx, insert, c.ReplyTopic, SlotOf(partitionKey, id), partitionKey, id, payload, meta, key)
@@ -219,22 +226,49 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 	return key, nil
 }
 
-// outsideTransaction reports whether tx is known to run each statement as a transaction of its
-// own: a pool, or a connection between transactions. A *sql.Conn may be in a transaction begun by
-// hand, and other Execers cannot be asked.
-func outsideTransaction(tx Execer) bool {
+// inTransaction reports whether tx's statements run in one transaction block, where the unique
+// index can tell a second call of a name from the first; through a pool, say, each is a
+// transaction of its own. Transactions, connections and database/sql's handles are told by their
+// type and state; anything else (a wrapper of the caller's) is asked with a savepoint, which only
+// a transaction block takes: two more round trips, for such Execers only.
+func inTransaction(ctx context.Context, tx Execer) (bool, error) {
 	switch t := tx.(type) {
+	case pgx.Tx:
+		return true, nil
 	case *pgxpool.Pool:
-		return true
+		return false, nil
 	case *pgxpool.Conn:
-		return t.Conn().PgConn().TxStatus() == 'I'
+		return t.Conn().PgConn().TxStatus() != 'I', nil
 	case *pgx.Conn:
-		return t.PgConn().TxStatus() == 'I'
+		return t.PgConn().TxStatus() != 'I', nil
 	case sqlExecer:
-		_, isDB := t.tx.(*sql.DB)
-		return isDB
+		switch s := t.tx.(type) {
+		case *sql.Tx:
+			return true, nil
+		case *sql.DB:
+			return false, nil
+		case *sql.Conn:
+			known, in := false, false
+			_ = s.Raw(func(driverConn any) error {
+				if c, ok := driverConn.(interface{ Conn() *pgx.Conn }); ok { // pgx's database/sql driver
+					known, in = true, c.Conn().PgConn().TxStatus() != 'I'
+				}
+				return nil
+			})
+			if known {
+				return in, nil
+			}
+		}
 	}
-	return false
+	_, err := tx.Exec(ctx, "SAVEPOINT txbox_call_check")
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "25P01" { // no_active_sql_transaction
+		return false, nil
+	}
+	if err == nil {
+		_, err = tx.Exec(ctx, "RELEASE SAVEPOINT txbox_call_check")
+	}
+	return err == nil, err
 }
 
 func callKey(ctx context.Context, c Call) (string, error) {

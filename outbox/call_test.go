@@ -297,7 +297,14 @@ func TestADerivedCallOutsideATransactionIsRefused(t *testing.T) {
 	defer conn.Release()
 	db := stdlib.OpenDBFromPool(b.env.Pool)
 	t.Cleanup(func() { _ = db.Close() })
-	for name, tx := range map[string]outbox.Execer{"pool": b.env.Pool, "pool conn": conn, "conn": conn.Conn(), "sql.DB": outbox.FromSQL(db)} {
+	sqlConn, err := db.Conn(ctx)
+	require.NoError(t, err)
+	defer sqlConn.Close()
+	for name, tx := range map[string]outbox.Execer{
+		"pool": b.env.Pool, "pool conn": conn, "conn": conn.Conn(), "sql.DB": outbox.FromSQL(db), "sql.Conn": outbox.FromSQL(sqlConn),
+		// Types of the caller's, which the database is asked about.
+		"wrapped pool": execOnly{b.env.Pool}, "wrapped sql.DB": outbox.FromSQL(struct{ *sql.DB }{db}),
+	} {
 		_, err := b.w.Call(ctx, tx, charge("charge"))
 		require.ErrorIs(t, err, outbox.ErrInvalidCall, name)
 		require.ErrorContains(t, err, "a call of a derived key needs a transaction", name)
@@ -314,7 +321,20 @@ func TestADerivedCallOutsideATransactionIsRefused(t *testing.T) {
 	require.ErrorIs(t, err, outbox.ErrInvalidCall, "the second, in the same transaction")
 	_, err = conn.Exec(ctx, "COMMIT")
 	require.NoError(t, err)
-	require.Equal(t, 5, b.rows(t), "four explicit calls and the derived one")
+	tx := b.begin(t, ctx)
+	_, err = b.w.Call(ctx, execOnly{tx}, charge("refund"))
+	require.NoError(t, err, "a transaction of a type of the caller's")
+	_, err = b.w.Call(ctx, execOnly{tx}, charge("refund"))
+	require.ErrorIs(t, err, outbox.ErrInvalidCall, "the second, in that transaction")
+	require.NoError(t, tx.Commit(ctx))
+	require.Equal(t, 9, b.rows(t), "seven explicit calls and the derived two")
+}
+
+// execOnly hides every method of an Execer but Exec, as a caller's wrapper does.
+type execOnly struct{ e outbox.Execer }
+
+func (x execOnly) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return x.e.Exec(ctx, sql, args...)
 }
 
 // Handlers on a SERIALIZABLE database writing the calls of different messages at once do not fail
@@ -391,8 +411,8 @@ func TestCallsThroughADatabaseSQLTransactionAreChecked(t *testing.T) {
 	tx, err := db.BeginTx(ctx, nil)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback() }()
-	execs := 0
-	h := hookedTx{tx: tx, onExec: func(string) { execs++ }}
+	var execs []string
+	h := hookedTx{tx: tx, onExec: func(query string) { execs = append(execs, strings.Fields(query)[0]) }}
 	_, err = b.w.Call(ctx, outbox.FromSQL(h), charge("charge"))
 	require.NoError(t, err)
 	_, err = b.w.Call(ctx, outbox.FromSQL(h), charge("refund"))
@@ -400,7 +420,8 @@ func TestCallsThroughADatabaseSQLTransactionAreChecked(t *testing.T) {
 	_, err = b.w.Call(ctx, outbox.FromSQL(tx), charge("charge"))
 	require.ErrorIs(t, err, outbox.ErrInvalidCall, "the same transaction, wrapped or not")
 	require.NoError(t, tx.Commit())
-	require.Equal(t, 2, execs)
+	// The wrapper is a type of the caller's: the database is asked whether it is in a transaction.
+	require.Equal(t, []string{"SAVEPOINT", "RELEASE", "INSERT", "SAVEPOINT", "RELEASE", "INSERT"}, execs)
 	require.Equal(t, 2, b.rows(t))
 }
 
