@@ -237,10 +237,10 @@ func inTransaction(ctx context.Context, tx Execer) (bool, error) {
 		return true, nil
 	case *pgxpool.Pool:
 		return false, nil
-	case *pgxpool.Conn:
-		return t.Conn().PgConn().TxStatus() != 'I', nil
 	case *pgx.Conn:
-		return t.PgConn().TxStatus() != 'I', nil
+		return inBlock(t), nil
+	case pgxConner: // *pgxpool.Conn
+		return inBlock(t.Conn()), nil
 	case sqlExecer:
 		switch s := t.tx.(type) {
 		case *sql.Tx:
@@ -250,8 +250,8 @@ func inTransaction(ctx context.Context, tx Execer) (bool, error) {
 		case *sql.Conn:
 			known, in := false, false
 			_ = s.Raw(func(driverConn any) error {
-				if c, ok := driverConn.(interface{ Conn() *pgx.Conn }); ok { // pgx's database/sql driver
-					known, in = true, c.Conn().PgConn().TxStatus() != 'I'
+				if c, ok := driverConn.(pgxConner); ok { // pgx's database/sql driver
+					known, in = true, inBlock(c.Conn())
 				}
 				return nil
 			})
@@ -270,6 +270,12 @@ func inTransaction(ctx context.Context, tx Execer) (bool, error) {
 	}
 	return err == nil, err
 }
+
+// pgxConner is what a pool's connection and a connection of pgx's database/sql driver have.
+type pgxConner interface{ Conn() *pgx.Conn }
+
+// inBlock reports whether c is in a transaction block, failed or not.
+func inBlock(c *pgx.Conn) bool { return c.PgConn().TxStatus() != 'I' }
 
 func callKey(ctx context.Context, c Call) (string, error) {
 	if c.IdempotencyKey != "" {
