@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -13,11 +14,14 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/failpoint"
 	"github.com/txbox/txbox/internal/inboxgen"
+	"github.com/txbox/txbox/migrations"
+	"github.com/txbox/txbox/outbox"
 )
 
 // deliverCtx is deliver with the message's context set, as a subscriber sets it.
@@ -71,6 +75,40 @@ func TestTransientDatabaseErrorsDoNotUseUpAttempts(t *testing.T) {
 			transientFailures(t, b, h, msg, func() error { return deliver(h, msg) })
 		})
 	}
+}
+
+// New handlers are deployed before txbox migrate up ran: the outbox's writes fail on the schema,
+// for every message alike. The deliveries are retried without using up attempts, not
+// dead-lettered, and the message is processed once the migration is applied.
+func TestASchemaLackingAMigrationDoesNotUseUpAttempts(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	ctx := context.Background()
+	db := stdlib.OpenDBFromPool(b.env.Pool)
+	t.Cleanup(func() { _ = db.Close() })
+	p, err := migrations.NewProvider(ctx, db, migrations.WithSchema(b.env.Schema))
+	require.NoError(t, err)
+	_, err = p.DownTo(ctx, 13) // the outbox's check of derived call keys
+	require.NoError(t, err)
+	w, err := outbox.New(outbox.Config{Schema: b.env.Schema})
+	require.NoError(t, err)
+	h := b.inbox.Middleware(b.handler(func(msg *message.Message) error {
+		tx, _ := inbox.TxFromContext(msg.Context())
+		_, err := w.Call(msg.Context(), tx, outbox.Call{Name: "charge", Path: "/v1/charges", Params: url.Values{"amount": {"1000"}}})
+		return err
+	}))
+	msg := newMessage()
+	deliveries := 0
+	transientFailures(t, b, h, msg, func() error {
+		err := deliver(h, msg)
+		require.ErrorIs(t, err, outbox.ErrSchemaOutdated)
+		if deliveries++; deliveries == 5 {
+			_, err := migrations.Up(ctx, db, migrations.WithSchema(b.env.Schema))
+			require.NoError(t, err)
+		}
+		return err
+	})
+	require.Equal(t, 1, b.count(t, "txbox_outbox", "kind = 'call'"))
 }
 
 // The handler's connection is lost (its session terminated, as a PostgreSQL restart or a failover

@@ -49,8 +49,9 @@
 // are forgiven if it does not: a message is never dead-lettered for another's crashes. A delivery that fails for reasons that are not the
 // message's gives its attempt back: it never reached the handler (a duplicate that gave up waiting
 // on another instance's lock, no connection in time), or it ended in a serialization failure, a
-// deadlock, a lock timeout, a lost connection, a server shutting down, or the cancellation of the
-// delivery's context at shutdown. A handler frozen past IdleInTransactionTimeout counts, like a
+// deadlock, a lock timeout, a lost connection, a server shutting down, the cancellation of the
+// delivery's context at shutdown, or an outbox write that found the schema lacking a migration
+// (outbox.ErrSchemaOutdated: handlers deployed before txbox migrate up ran). A handler frozen past IdleInTransactionTimeout counts, like a
 // crash, and so does a panic in the handler, which the middleware lets pass without ending the
 // attempt (Watermill's router recovers it and nacks the message). A message with no usable id, a payload over the
 // limit, or a handler error wrapping ErrUnprocessable goes there at once.

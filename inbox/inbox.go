@@ -542,8 +542,10 @@ func (s *streak) report(err error) (first, recovered bool) {
 // isTransient reports whether err, which ended a delivery after its handler was called, is about the
 // database or the process rather than the message, so that a later delivery may well succeed:
 // the delivery was cancelled (shutdown), or PostgreSQL reported a serialization failure, a
-// deadlock, a lock timeout, a lost connection or a server shutting down. The transaction's
-// connection being closed covers connection losses that reach the handler as other errors.
+// deadlock, a lock timeout, a lost connection or a server shutting down, or the outbox found the
+// schema lacking a migration (new handlers deployed before txbox migrate up ran: every message
+// would fail alike until it runs). The transaction's connection being closed covers connection
+// losses that reach the handler as other errors.
 //
 // An idle-in-transaction timeout (25P03) and a deadline that ran out are not transient: a handler
 // that freezes or is too slow on a message every time must bring it to the dead-letter table, like
@@ -554,6 +556,8 @@ func isTransient(ctx context.Context, tx pgx.Tx, err error) bool {
 	switch {
 	case isPg && pgErr.Code == "25P03": // idle_in_transaction_session_timeout; the connection is closed too
 		return false
+	case errors.Is(err, outbox.ErrSchemaOutdated):
+		return true
 	case errors.Is(ctx.Err(), context.Canceled):
 		return true
 	case errors.Is(err, context.DeadlineExceeded), errors.Is(ctx.Err(), context.DeadlineExceeded):

@@ -209,12 +209,9 @@ func (w *Writer) Call(ctx context.Context, tx Execer, c Call) (idempotencyKey st
 	}
 	id := CallUUID(key)
 	tag, err := tx.Exec(ctx, insert, c.ReplyTopic, SlotOf(partitionKey, id), partitionKey, id, payload, meta, key)
-	var pgErr *pgconn.PgError
 	switch {
-	case errors.As(err, &pgErr) && pgErr.Code == "42703" && strings.Contains(pgErr.Message, "writer_xact"): // undefined_column
-		return "", fmt.Errorf("outbox: insert call %s: the schema lacks migration 00014, which this txbox needs; run txbox migrate up: %w", key, err)
 	case err != nil:
-		return "", fmt.Errorf("outbox: insert call %s: %w", key, err)
+		return "", insertError("call "+key, err)
 	case !derived:
 	case !tag.Insert():
 		return "", fmt.Errorf("outbox: insert call %s: the Execer returned the command tag %q, not an INSERT's: a wrapper must pass pgx's tag on, which Call reads", key, tag)

@@ -18,6 +18,7 @@ import (
 
 	"github.com/txbox/txbox/internal/pgtest"
 	"github.com/txbox/txbox/internal/txtest"
+	"github.com/txbox/txbox/migrations"
 	"github.com/txbox/txbox/outbox"
 )
 
@@ -368,7 +369,7 @@ func (e taglessTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.Co
 }
 
 // An Execer whose tag says nothing gets an error that says so, not that its call's name was used
-// already; a schema without the migration the check needs gets one that names it.
+// already.
 func TestCallErrorsSayWhatIsWrong(t *testing.T) {
 	t.Parallel()
 	b := setupCalls(t)
@@ -379,11 +380,50 @@ func TestCallErrorsSayWhatIsWrong(t *testing.T) {
 	require.ErrorContains(t, err, "a wrapper must pass pgx's tag on")
 	require.NotErrorIs(t, err, outbox.ErrInvalidCall)
 	require.NoError(t, tx.Rollback(ctx))
+}
 
-	_, err = b.env.Pool.Exec(ctx, "ALTER TABLE "+b.env.Q("txbox_outbox")+" DROP COLUMN writer_xact")
+// New writers deployed before txbox migrate up ran: a write that needs a pending migration is
+// ErrSchemaOutdated (which the inbox does not count as the message's failure), and so is any
+// write where txbox is not installed; the writes the older schema serves go on.
+func TestWritesNeedingAPendingMigrationAreErrSchemaOutdated(t *testing.T) {
+	t.Parallel()
+	b := setupCalls(t)
+	ctx := handlerCtx()
+	db := stdlib.OpenDBFromPool(b.env.Pool)
+	t.Cleanup(func() { _ = db.Close() })
+	p, err := migrations.NewProvider(ctx, db, migrations.WithSchema(b.env.Schema))
 	require.NoError(t, err)
-	_, err = b.write(t, ctx, true, charge("charge"))
-	require.ErrorContains(t, err, "the schema lacks migration 00014, which this txbox needs; run txbox migrate up")
+	publish := func(w *outbox.Writer, n int) error {
+		tx, err := b.env.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck // Its locks would hold the next migration up.
+		msgs := make([]*message.Message, n)
+		for i := range msgs {
+			msgs[i] = message.NewMessage(fmt.Sprintf("m-%d-%d", n, i), nil)
+		}
+		return w.Publish(ctx, tx, "orders", msgs...)
+	}
+	explicit := charge("charge")
+	explicit.IdempotencyKey = "order-1"
+
+	_, err = p.DownTo(ctx, 13) // writer_xact and its unique index
+	require.NoError(t, err)
+	_, err = b.write(t, ctx, false, charge("charge"))
+	require.ErrorIs(t, err, outbox.ErrSchemaOutdated)
+	require.ErrorContains(t, err, "run txbox migrate up")
+	require.ErrorContains(t, err, "writer_xact", "the error names what is missing")
+	_, err = b.write(t, ctx, false, explicit)
+	require.NoError(t, err)
+	require.NoError(t, publish(b.w, 2))
+
+	_, err = p.DownTo(ctx, 9) // metadata as text
+	require.NoError(t, err)
+	require.ErrorIs(t, publish(b.w, 2), outbox.ErrSchemaOutdated)
+	require.NoError(t, publish(b.w, 1))
+
+	elsewhere, err := outbox.New(outbox.Config{Schema: "txbox_not_installed"})
+	require.NoError(t, err)
+	require.ErrorIs(t, publish(elsewhere, 1), outbox.ErrSchemaOutdated)
 }
 
 // hookedTx is a database/sql transaction wrapper of the kind a service may pass to FromSQL by

@@ -52,6 +52,12 @@ const ReservedMetadata = "_watermill_message_uuid"
 // UUID, a reserved metadata key, or a payload over the limit. Nothing is written for the call.
 var ErrInvalidMessage = errors.New("outbox: invalid message")
 
+// ErrSchemaOutdated is returned (wrapped) when the schema lacks a table, a column or an index this
+// version's statements need: a migration is pending, as when new writers are deployed before
+// txbox migrate up runs, or txbox is not installed there. The message is not at fault: the inbox
+// gives the delivery's attempt back, so the message waits for the migration, not the DLQ.
+var ErrSchemaOutdated = errors.New("outbox: the schema lacks a migration this txbox needs (or txbox is not installed in it); run txbox migrate up")
+
 // Config configures a Writer.
 type Config struct {
 	// Schema is the PostgreSQL schema holding txbox's tables. If not specified, defaults to "public".
@@ -133,7 +139,7 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 		key := msg.Metadata.Get(PartitionKeyMetadata)
 		meta := string(appendMetadata(make([]byte, 0, metadataSizeHint), msg.Metadata, trace))
 		if _, err := tx.Exec(ctx, w.insertMessage, topic, SlotOf(key, msg.UUID), key, msg.UUID, payloadOf(msg), meta); err != nil {
-			return fmt.Errorf("outbox: insert 1 message for %q: %w", topic, err)
+			return insertError(fmt.Sprintf("1 message for %q", topic), err)
 		}
 		return nil
 	}
@@ -163,9 +169,26 @@ func (w *Writer) Publish(ctx context.Context, tx Execer, topic string, msgs ...*
 		start = end
 	}
 	if _, err := tx.Exec(ctx, w.insertMessages, topic, slots, keys, uuids, payloads, metas); err != nil {
-		return fmt.Errorf("outbox: insert %d message(s) for %q: %w", len(msgs), topic, err)
+		return insertError(fmt.Sprintf("%d message(s) for %q", len(msgs), topic), err)
 	}
 	return nil
+}
+
+// insertError wraps the error of an insert of what. One that says the table is not the one this
+// version's statements were written for is ErrSchemaOutdated too; the statements are txbox's own
+// and their arguments typed by it, so nothing a caller passes raises these.
+func insertError(what string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case "42P01", // undefined_table
+			"42703", // undefined_column: writer_xact, before migration 00014
+			"42804", // datatype_mismatch: metadata still jsonb, before migration 00010
+			"42P10": // invalid_column_reference: no unique index for ON CONFLICT, before migration 00014
+			return fmt.Errorf("outbox: insert %s: %w: %w", what, ErrSchemaOutdated, err)
+		}
+	}
+	return fmt.Errorf("outbox: insert %s: %w", what, err)
 }
 
 // checkExecer refuses a nil tx, which would otherwise panic deep in the write.
