@@ -159,6 +159,15 @@ type Inbox struct {
 
 	endsFailing streak // of endAttempt's writes
 
+	// lostEnds are the transient ends of attempts that endAttempt could not write, by scope, each
+	// saying whether its attempt ran alone. A PostgreSQL restart while a message is in its handler
+	// fails the handler and then, the server still being down, the write of its end: left
+	// unwritten, the attempt would make the message a crash suspect, and restarts that cut off its
+	// runs alone would count as crashes, dead-lettering a healthy message. The next delivery of the
+	// message writes them before its marker (writeLostEnds).
+	lostEndsMu sync.Mutex
+	lostEnds   map[scope][]bool
+
 	// crashDomain makes a crash attributable: a crash suspect runs while no other message of the
 	// inbox does (it takes it exclusively, every other delivery shared), so if the process dies
 	// then, the suspect killed it.
@@ -363,6 +372,9 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 		// It goes in the round trip that opens the handler's transaction, before it, so a fresh
 		// message pays no round trip for it; a delivery holds the crash domain shared from then on,
 		// so none starts while a suspect runs alone.
+		if err := ib.writeLostEnds(ctx, sc); err != nil {
+			return fmt.Errorf("inbox: record the end of an earlier attempt of %s: %w", key, err)
+		}
 		if !ib.crashDomain.TryRLock() {
 			failpoint.HitContext(ctx, "inbox.waits-for-suspect") // A suspect runs alone, or is about to.
 			ib.crashDomain.RLock()
@@ -506,8 +518,12 @@ func outliving(ctx context.Context, grace time.Duration) (context.Context, conte
 // endAttempt records how a counted delivery failed (alone: it ran as a crash suspect). A failure of
 // the message (the handler's error, or a crash, which never gets here) keeps its attempt and becomes
 // the last error. A transient one gives the attempt back, so that only real failures bring a message
-// to the dead-letter table. If the database cannot be reached for this either, the attempt stays
-// unfinished, and the message is a crash suspect at its next delivery.
+// to the dead-letter table. If the database cannot be reached for this either, a transient end is
+// kept for the message's next delivery in this process to write (lostEnds); a failure's attempt
+// stays unfinished, and the message is a crash suspect at its next delivery, which runs it alone
+// and counts that run. (A failure's end is not kept: its write may have committed though its answer
+// was lost, and written twice it would charge the failure twice. A transient end written twice
+// gives back one attempt too many, at most once per lost answer.)
 func (ib *Inbox) endAttempt(ctx context.Context, sc scope, alone, transient bool, cause error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
@@ -516,9 +532,12 @@ func (ib *Inbox) endAttempt(ctx context.Context, sc scope, alone, transient bool
 		lastErr = cause.Error()
 	}
 	_, err := ib.cfg.DB.Exec(ctx, ib.sql.endAttempt, ib.args(ctx, sc, alone, transient, lastErr)...)
+	kept := err != nil && transient && ib.keepLostEnds(sc, alone)
 	fields := sc.logFields()
 	fields["transient"] = transient
 	switch first, recovered := ib.endsFailing.report(err); {
+	case first && kept:
+		ib.logger.Error("Could not record the end of an attempt; the message's next delivery records it first (logged once until such a record succeeds again)", err, fields)
 	case first:
 		ib.logger.Error("Could not record the end of an attempt; the message is a crash suspect at its next delivery (logged once until such a record succeeds again)", err, fields)
 	case err != nil:
@@ -526,6 +545,44 @@ func (ib *Inbox) endAttempt(ctx context.Context, sc scope, alone, transient bool
 	case recovered:
 		ib.logger.Info("Recording the ends of attempts again", nil)
 	}
+}
+
+// maxLostEnds bounds the scopes whose lost ends an Inbox keeps: in a long outage, with a subscriber
+// that delivers many messages at once, their messages may never come back to this process. One past
+// the bound is a crash suspect at its next delivery, as if the process had crashed.
+const maxLostEnds = 10000
+
+// keepLostEnds keeps the transient ends of sc's attempts that could not be written, each saying
+// whether its attempt ran alone, and reports whether they are kept.
+func (ib *Inbox) keepLostEnds(sc scope, alone ...bool) bool {
+	ib.lostEndsMu.Lock()
+	defer ib.lostEndsMu.Unlock()
+	if ib.lostEnds == nil {
+		ib.lostEnds = make(map[scope][]bool)
+	}
+	ends, ok := ib.lostEnds[sc]
+	if !ok && len(ib.lostEnds) >= maxLostEnds {
+		return false
+	}
+	ib.lostEnds[sc] = append(ends, alone...)
+	return true
+}
+
+// writeLostEnds writes the ends of sc's earlier attempts that endAttempt could not, before the
+// marker of a new attempt makes the message look like a crash suspect. Those it cannot write either
+// are kept for the next delivery.
+func (ib *Inbox) writeLostEnds(ctx context.Context, sc scope) error {
+	ib.lostEndsMu.Lock()
+	ends := ib.lostEnds[sc]
+	delete(ib.lostEnds, sc)
+	ib.lostEndsMu.Unlock()
+	for i, alone := range ends {
+		if _, err := ib.cfg.DB.Exec(ctx, ib.sql.endAttempt, ib.args(ctx, sc, alone, true, nil)...); err != nil {
+			ib.keepLostEnds(sc, ends[i:]...)
+			return err
+		}
+	}
+	return nil
 }
 
 // streak tells a failing operation's first failure and its first success after failures apart from

@@ -34,7 +34,12 @@ type bundle struct {
 
 func setup(t *testing.T, mutate func(*inbox.Config)) *bundle {
 	t.Helper()
-	env := txtest.New(t)
+	return setupIn(t, txtest.New(t), mutate)
+}
+
+// setupIn is setup in env's database.
+func setupIn(t *testing.T, env *txtest.Env, mutate func(*inbox.Config)) *bundle {
+	t.Helper()
 	_, err := env.Pool.Exec(context.Background(), "CREATE TABLE "+env.Q("effects")+" (id text, n int)")
 	require.NoError(t, err)
 	b := &bundle{env: env, reg: prometheus.NewRegistry()}

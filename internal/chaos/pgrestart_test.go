@@ -83,9 +83,9 @@ func TestPostgresRestartUnderLoad(t *testing.T) {
 	}
 
 	progress("messages flow before the first restart")
-	require.NoError(t, srv.Restart(ctx, "fast"))
+	require.NoError(t, srv.Restart(ctx, "fast", 0))
 	progress("messages flow again after a fast restart")
-	require.NoError(t, srv.Restart(ctx, "immediate"))
+	require.NoError(t, srv.Restart(ctx, "immediate", 0))
 	progress("messages flow again after an immediate (crash) restart")
 	close(stop)
 	wg.Wait()

@@ -44,6 +44,7 @@ type Server struct {
 	Throwaway bool
 
 	dir     string // temp dir holding data/, the log and the unix socket
+	port    int    // a throwaway's
 	binDir  string
 	runAs   *runAsUser
 	logf    func(format string, args ...any)

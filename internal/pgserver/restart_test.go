@@ -28,7 +28,7 @@ func TestRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, mode := range []string{"fast", "immediate"} {
-		if err := s.Restart(ctx, mode); err != nil {
+		if err := s.Restart(ctx, mode, 100*time.Millisecond); err != nil {
 			t.Fatalf("Restart(%s): %v", mode, err)
 		}
 		if err := conn.Ping(ctx); err == nil {
@@ -43,10 +43,10 @@ func TestRestart(t *testing.T) {
 			t.Fatalf("after Restart(%s): %d rows, %v; want the committed row", mode, n, err)
 		}
 	}
-	if err := s.Restart(ctx, "smart"); err == nil {
+	if err := s.Restart(ctx, "smart", 0); err == nil {
 		t.Error("Restart accepted an unknown mode")
 	}
-	if err := (&Server{URL: DefaultURL}).Restart(ctx, "fast"); err == nil {
+	if err := (&Server{URL: DefaultURL}).Restart(ctx, "fast", 0); err == nil {
 		t.Error("Restart accepted a server it did not start")
 	}
 }

@@ -87,8 +87,8 @@ func StartThrowaway(ctx context.Context, logf func(format string, args ...any)) 
 		// A fresh log per attempt, so the bind check below and the tail in
 		// the error are about this attempt only.
 		_ = os.Remove(s.logPath())
-		out, err = s.run(ctx, "pg_ctl", "start", "-D", s.dataDir(), "-l", s.logPath(),
-			"-w", "-t", strconv.Itoa(int(readyTimeout/time.Second)), "-s", "-o", "-p "+strconv.Itoa(port))
+		s.port = port
+		out, err = s.start(ctx)
 		if err == nil {
 			break
 		}
@@ -112,6 +112,12 @@ func StartThrowaway(ctx context.Context, logf func(format string, args ...any)) 
 	logf("pgserver: started throwaway PostgreSQL from %s at %s (dir %s) in %v",
 		binDir, s.URL, dir, time.Since(began).Round(time.Millisecond))
 	return s, nil
+}
+
+// start starts the postmaster on s.port and waits until it accepts connections.
+func (s *Server) start(ctx context.Context) ([]byte, error) {
+	return s.run(ctx, "pg_ctl", "start", "-D", s.dataDir(), "-l", s.logPath(),
+		"-w", "-t", strconv.Itoa(int(readyTimeout/time.Second)), "-s", "-o", "-p "+strconv.Itoa(s.port))
 }
 
 func (s *Server) dataDir() string { return filepath.Join(s.dir, "data") }
@@ -422,14 +428,14 @@ func versionLess(a, b string) bool {
 	return a < b
 }
 
-// Restart shuts a throwaway server down and starts it again on the same port, for tests of what
-// clients do while their database goes away and comes back. mode is pg_ctl's shutdown mode: "fast"
-// (sessions are ended, a checkpoint is written) or "immediate" (like a crash of the database
-// processes: crash recovery runs on start). The throwaway runs with synchronous_commit = off, so an
-// immediate restart loses the last transactions it reported committed, as a real crash would; a
-// test that needs them kept sets synchronous_commit = on first. It returns once the server answers
-// over TCP again.
-func (s *Server) Restart(ctx context.Context, mode string) error {
+// Restart shuts a throwaway server down, leaves it down for down, and starts it again on the same
+// port, for tests of what clients do while their database goes away and comes back. mode is
+// pg_ctl's shutdown mode: "fast" (sessions are ended, a checkpoint is written) or "immediate" (like
+// a crash of the database processes: crash recovery runs on start). The throwaway runs with
+// synchronous_commit = off, so an immediate restart loses the last transactions it reported
+// committed, as a real crash would; a test that needs them kept sets synchronous_commit = on first.
+// It returns once the server answers over TCP again.
+func (s *Server) Restart(ctx context.Context, mode string, down time.Duration) error {
 	if !s.Throwaway {
 		return errors.New("pgserver: Restart is only for a throwaway server this process started")
 	}
@@ -441,11 +447,18 @@ func (s *Server) Restart(ctx context.Context, mode string) error {
 	if s.stopped {
 		return errors.New("pgserver: Restart after Stop")
 	}
-	// pg_ctl restart starts the server with the options it last ran with, the port included.
-	out, err := s.run(ctx, "pg_ctl", "restart", "-D", s.dataDir(), "-l", s.logPath(), "-m", mode,
-		"-w", "-t", strconv.Itoa(int(readyTimeout/time.Second)), "-s")
+	out, err := s.run(ctx, "pg_ctl", "stop", "-D", s.dataDir(), "-m", mode,
+		"-w", "-t", strconv.Itoa(int(stopTimeout/time.Second)), "-s")
 	if err != nil {
-		return fmt.Errorf("pgserver: pg_ctl restart -m %s: %w\n%s\nserver log tail:\n%s", mode, err, tail(out, 1000), s.logTail())
+		return fmt.Errorf("pgserver: pg_ctl stop -m %s: %w\n%s\nserver log tail:\n%s", mode, err, tail(out, 1000), s.logTail())
+	}
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(down):
+	}
+	if out, err := s.start(ctx); err != nil {
+		return fmt.Errorf("pgserver: pg_ctl start after stop -m %s: %w\n%s\nserver log tail:\n%s", mode, err, tail(out, 1000), s.logTail())
 	}
 	if err := waitReady(ctx, s.URL, readyTimeout); err != nil {
 		return fmt.Errorf("pgserver: %s not ready after restart: %w\nserver log tail:\n%s", s.URL, err, s.logTail())
