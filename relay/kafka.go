@@ -196,6 +196,25 @@ func (s *KafkaSink) Open(ctx context.Context, shard int, token int64) (ShardPubl
 	return k, nil
 }
 
+// fence opens and closes a producer under the transactional ID of each of shards, all at once:
+// InitProducerId aborts the transaction left open under the ID, if any, and fences the producer
+// that left it.
+func (s *KafkaSink) fence(ctx context.Context, shards []int) error {
+	errs := make([]error, len(shards))
+	var wg sync.WaitGroup
+	for i, shard := range shards {
+		wg.Go(func() {
+			p, err := s.Open(ctx, shard, 0)
+			if err == nil {
+				err = p.Close()
+			}
+			errs[i] = err
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
 type kafkaShard struct {
 	sink     *KafkaSink
 	client   sarama.Client

@@ -486,6 +486,9 @@ func (r *Relay) prepareLeases(ctx context.Context) error {
 			_, err = tx.Exec(ctx, r.sql.heartbeat, r.cfg.Owner, r.cfg.LeaseTTL.Milliseconds(), r.prefix, r.cfg.Shards)
 			return err
 		})
+		if err == nil {
+			return r.retireShards(ctx)
+		}
 		if !timedOut(err) || ctx.Err() != nil {
 			return err
 		}
@@ -500,6 +503,46 @@ func (r *Relay) prepareLeases(ctx context.Context) error {
 		case <-t.C:
 		}
 	}
+}
+
+// retireShards forgets the leases of the shards that a layout of fewer shards drops, once nothing
+// can publish under them. Their transactional IDs (<prefix>-shard-<n>, n ≥ Config.Shards) are no
+// producer's in this layout, so nothing would abort a Kafka transaction that a relay of the old
+// layout, killed or frozen, left open under one: read_committed consumers of its partitions would
+// receive nothing until the broker's transaction timeout aborted it, and a frozen relay could still
+// commit it when it woke. A producer opened under each ID aborts it and fences that relay; only
+// then go the lease rows, the only record of those IDs. If that fails, the rows stay for the next
+// relay to start.
+func (r *Relay) retireShards(ctx context.Context) error {
+	var shards []int
+	err := r.bounded(ctx, func(tx pgx.Tx) error {
+		rows, err := tx.Query(ctx, r.sql.retiredLeases, r.cfg.Shards)
+		if err == nil {
+			shards, err = pgx.CollectRows(rows, pgx.RowTo[int])
+		}
+		return err
+	})
+	switch {
+	case err != nil:
+		return fmt.Errorf("relay: read the leases of shards beyond Config.Shards: %w", err)
+	case len(shards) == 0:
+		return nil
+	}
+	if k, ok := r.cfg.Sink.(*KafkaSink); ok && k.transactional {
+		if err := k.fence(ctx, shards); err != nil {
+			return fmt.Errorf("relay: Config.Shards is %d, fewer than before: fence the Kafka transactional IDs of shards %v, which it drops: %w",
+				r.cfg.Shards, shards, err)
+		}
+	}
+	err = r.bounded(ctx, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, r.sql.dropRetired, r.cfg.Shards, shards)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("relay: drop the leases of shards beyond Config.Shards: %w", err)
+	}
+	r.log.Info("retired the shards of a layout with more shards", "shards", shards)
+	return nil
 }
 
 // bounded runs fn in a transaction whose waits are bounded by the lease TTL (see setBounds): a lock

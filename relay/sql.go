@@ -28,7 +28,7 @@ const setBounds = `SELECT set_config('lock_timeout', $1, true), set_config('stat
 const genericPlans = "force_generic_plan"
 
 type queries struct {
-	layoutLock, liveOtherLayout, dropOtherLayout, createLeases,
+	layoutLock, liveOtherLayout, dropOtherLayout, retiredLeases, dropRetired, createLeases,
 	identity, heartbeat, liveOtherPrefix, forgetNode, liveNodes, pruneNodes, nextExpiry,
 	acquire, missingLeases, renew, release, checkLease,
 	readMessages, readSlotMessages, dueSlots, dueSlotsOrBalance, refuseMessage, deleteRows, buryRow, completeMessages, stats, strandedCalls string
@@ -49,8 +49,13 @@ func renderQueries(schema string, slots int) queries {
 			UNION ALL
 			SELECT shards FROM {schema}.txbox_relay_node WHERE shards <> $1 AND owner <> $2 AND expires_at > now()
 			LIMIT 1`),
-		// Only dead leases: a relay of the other layout may have taken one since the check.
-		dropOtherLayout: r(`DELETE FROM {schema}.txbox_lease WHERE shards <> $1 AND (owner IS NULL OR expires_at <= now())`),
+		// Only dead leases: a relay of the other layout may have taken one since the check. Only
+		// those of shards the layout $1 has too, which it replaces: the others are retired
+		// (Relay.retireShards).
+		dropOtherLayout: r(`DELETE FROM {schema}.txbox_lease WHERE shards <> $1 AND shard < $1 AND (owner IS NULL OR expires_at <= now())`),
+		// The dead leases of shards the layout $1 lacks, and their deletion ($2 the shards).
+		retiredLeases: r(`SELECT shard FROM {schema}.txbox_lease WHERE shard >= $1 AND (owner IS NULL OR expires_at <= now()) ORDER BY shard`),
+		dropRetired:   r(`DELETE FROM {schema}.txbox_lease WHERE shard >= $1 AND shard = ANY($2) AND (owner IS NULL OR expires_at <= now())`),
 		// Inserts only missing rows, so it never meets (or waits for) a row another relay holds.
 		createLeases: r(`INSERT INTO {schema}.txbox_lease (shard, shards)
 			SELECT s, $1 FROM generate_series(0, $1 - 1) AS s
