@@ -133,7 +133,10 @@ func TestAMessageThatFreezesItsHandlerEveryTimeIsDeadLettered(t *testing.T) {
 // the deadline, charged as a slow attempt, and the healthy message was dead-lettered.
 func TestALockWaitUnderADeadlineGivesItsAttemptBack(t *testing.T) {
 	t.Parallel()
-	b := setup(t, nil) // MaxAttempts: 3, LockTimeout: the default 2 s
+	// MaxAttempts: 3. The deadline below leaves the lock wait a second's slack (a quarter of the
+	// time left), which a loaded machine needs: with 300 ms, the statements before the wait could
+	// take it all, and the deadline cut the wait off.
+	b := setup(t, func(c *inbox.Config) { c.LockTimeout = 10 * time.Second })
 	ctx := context.Background()
 	_, err := b.env.Pool.Exec(ctx, "INSERT INTO "+b.env.Q("effects")+" VALUES ('account', 0)")
 	require.NoError(t, err)
@@ -150,7 +153,7 @@ func TestALockWaitUnderADeadlineGivesItsAttemptBack(t *testing.T) {
 
 	msg := newMessage()
 	for i := range 3 { // As many as MaxAttempts: charged, they would dead-letter the next delivery.
-		ctx, cancel := context.WithTimeout(ctx, 1200*time.Millisecond)
+		ctx, cancel := context.WithTimeout(ctx, 4*time.Second)
 		err := deliverCtx(ctx, h, msg)
 		cancel()
 		var pgErr *pgconn.PgError
