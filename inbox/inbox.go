@@ -368,13 +368,13 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (err error)
 		herr error
 	)
 	if ib.cfg.MaxAttempts > 0 {
+		if err := ib.writeLostEnds(ctx, sc); err != nil {
+			return fmt.Errorf("inbox: record the end of an earlier attempt of %s: %w", key, err)
+		}
 		// The crash marker is written before the handler runs: a crash inside the handler leaves it.
 		// It goes in the round trip that opens the handler's transaction, before it, so a fresh
 		// message pays no round trip for it; a delivery holds the crash domain shared from then on,
 		// so none starts while a suspect runs alone.
-		if err := ib.writeLostEnds(ctx, sc); err != nil {
-			return fmt.Errorf("inbox: record the end of an earlier attempt of %s: %w", key, err)
-		}
 		if !ib.crashDomain.TryRLock() {
 			failpoint.HitContext(ctx, "inbox.waits-for-suspect") // A suspect runs alone, or is about to.
 			ib.crashDomain.RLock()
