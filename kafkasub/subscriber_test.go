@@ -116,14 +116,7 @@ func TestASubscriberWithoutTxboxSettingsReadsCommittedMessagesFromTheOldest(t *t
 	brokers, topic := kafkatest.Brokers(t), kafkatest.Topic(t)
 	publish := newPartitionPublisher(t, brokers, topic, 1)
 
-	c := sarama.NewConfig()
-	c.Version = sarama.V2_8_0_0
-	c.Producer.Idempotent = true
-	c.Producer.RequiredAcks = sarama.WaitForAll
-	c.Producer.Return.Successes = true
-	c.Net.MaxOpenRequests = 1
-	c.Producer.Transaction.ID = topic + "-zombie"
-	zombie, err := sarama.NewSyncProducer(brokers, c)
+	zombie, err := sarama.NewSyncProducer(brokers, kafkatest.TransactionalProducer(topic+"-zombie"))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = zombie.Close() })
 	require.NoError(t, zombie.BeginTxn())

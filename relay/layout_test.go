@@ -41,14 +41,8 @@ func TestLoweringTheShardCountFencesTheDroppedShardsTransactions(t *testing.T) {
 
 	// The old relay as if killed mid-batch: its lease of shard 3 ran out, its transaction is open
 	// over every partition.
-	cfg := sarama.NewConfig()
-	cfg.Version = sarama.V2_8_0_0
-	cfg.Producer.Idempotent = true
-	cfg.Producer.RequiredAcks = sarama.WaitForAll
-	cfg.Producer.Return.Successes = true
+	cfg := kafkatest.TransactionalProducer(b.env.Schema + "-shard-3")
 	cfg.Producer.Partitioner = sarama.NewManualPartitioner
-	cfg.Net.MaxOpenRequests = 1
-	cfg.Producer.Transaction.ID = b.env.Schema + "-shard-3"
 	cfg.Producer.Transaction.Timeout = 10 * time.Minute
 	client, err := sarama.NewClient(kafkatest.Brokers(t), cfg)
 	require.NoError(t, err)

@@ -104,14 +104,7 @@ func TestLeaseRecheckThatFailsKeepsTheShard(t *testing.T) {
 
 	// Another producer opens the shard's transactional.id, as a relay whose lease had ended would:
 	// the broker fences the relay's producer while the database lease is still the relay's.
-	cfg := sarama.NewConfig()
-	cfg.Version = sarama.V2_8_0_0
-	cfg.Producer.Idempotent = true
-	cfg.Producer.RequiredAcks = sarama.WaitForAll
-	cfg.Producer.Return.Successes = true
-	cfg.Net.MaxOpenRequests = 1
-	cfg.Producer.Transaction.ID = b.env.Schema + "-shard-0"
-	late, err := sarama.NewSyncProducer(kafkatest.Brokers(t), cfg)
+	late, err := sarama.NewSyncProducer(kafkatest.Brokers(t), kafkatest.TransactionalProducer(b.env.Schema+"-shard-0"))
 	require.NoError(t, err)
 	require.NoError(t, late.Close())
 

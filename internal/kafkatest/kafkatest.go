@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/twmb/franz-go/pkg/kfake"
@@ -110,4 +111,17 @@ func NewSubscriber(t testing.TB, group string) *kafka.Subscriber {
 	}
 	t.Cleanup(func() { _ = sub.Close() })
 	return sub
+}
+
+// TransactionalProducer configures a sarama producer under transactional ID id, as a relay opens
+// one: a test's stand-in for another relay (a zombie, a killed one, one whose lease ended).
+func TransactionalProducer(id string) *sarama.Config {
+	c := sarama.NewConfig()
+	c.Version = sarama.V2_8_0_0
+	c.Producer.Idempotent = true
+	c.Producer.RequiredAcks = sarama.WaitForAll
+	c.Producer.Return.Successes = true
+	c.Net.MaxOpenRequests = 1
+	c.Producer.Transaction.ID = id
+	return c
 }
