@@ -65,7 +65,7 @@ type CallConfig struct {
 	ReplayWindow time.Duration
 	// MinBackoff and MaxBackoff bound the wait before a failed call is tried again: exponential in
 	// its attempts, with jitter, and never shorter than the provider's Retry-After. MinBackoff is
-	// at most 1h and MaxBackoff at most 24h; if not specified, they default to 1s and 5m.
+	// between 1ms and 1h and MaxBackoff at most 24h; if not specified, they default to 1s and 5m.
 	MinBackoff, MaxBackoff time.Duration
 	// BatchSize is the most due calls of a shard read at once. Between 1 and 1000; if not
 	// specified, defaults to 16.
@@ -73,8 +73,9 @@ type CallConfig struct {
 	// Concurrency is the most calls of one shard in flight at once. Between 1 and 100; if not
 	// specified, defaults to 4.
 	Concurrency int
-	// PollInterval is how long a shard without due calls waits before looking again. At most 1m;
-	// if not specified, defaults to 100ms.
+	// PollInterval is how long a shard without due calls waits before looking again. Between 1ms
+	// and 1m (shorter would keep a query running without pause); if not specified, defaults to
+	// 100ms.
 	PollInterval time.Duration
 	// MaxResultBytes bounds the copy of a response body kept in txbox_call_result and the reply.
 	// At most 64 MiB; if not specified, defaults to 16 KiB.
@@ -128,11 +129,11 @@ func (c CallConfig) resolve(leaseTTL time.Duration) (CallConfig, error) {
 	var err error
 	setting(&err, "CallConfig.ReplayWindow", &c.ReplayWindow, DefaultReplayWindow, 1, providerKeyLifetime-1)
 	setting(&err, "CallConfig.Timeout", &c.Timeout, leaseTTL*2/3, 1, c.ReplayWindow)
-	setting(&err, "CallConfig.MinBackoff", &c.MinBackoff, DefaultMinCallBackoff, 1, time.Hour)
+	setting(&err, "CallConfig.MinBackoff", &c.MinBackoff, DefaultMinCallBackoff, time.Millisecond, time.Hour)
 	setting(&err, "CallConfig.MaxBackoff", &c.MaxBackoff, max(DefaultMaxCallBackoff, c.MinBackoff), c.MinBackoff, 24*time.Hour)
 	setting(&err, "CallConfig.BatchSize", &c.BatchSize, DefaultCallBatchSize, 1, 1000)
 	setting(&err, "CallConfig.Concurrency", &c.Concurrency, DefaultCallConcurrency, 1, 100)
-	setting(&err, "CallConfig.PollInterval", &c.PollInterval, DefaultCallPoll, 1, time.Minute)
+	setting(&err, "CallConfig.PollInterval", &c.PollInterval, DefaultCallPoll, time.Millisecond, time.Minute)
 	setting(&err, "CallConfig.MaxResultBytes", &c.MaxResultBytes, DefaultMaxResultBytes, 1, 64<<20)
 	return c, err
 }

@@ -78,7 +78,8 @@ type Config struct {
 	// IdlePollInterval). At least PollInterval and at most 1m; if not specified, defaults to 25ms,
 	// or to PollInterval when that is longer.
 	IdlePollInterval time.Duration
-	// StatsInterval is how often backlog and dead-letter gauges are refreshed. At most 1h; if not
+	// StatsInterval is how often backlog and dead-letter gauges are refreshed. Between 10ms and 1h
+	// (each refresh is a query per gauge, so a shorter interval would only load PostgreSQL); if not
 	// specified, defaults to 10s.
 	StatsInterval time.Duration
 	// MaxPublishAttempts is how many times a message the broker refused for a reason that may pass
@@ -89,7 +90,8 @@ type Config struct {
 	// specified, defaults to 10, which with the default backoffs is about three minutes.
 	MaxPublishAttempts int
 	// MinPublishBackoff and MaxPublishBackoff bound the wait before a refused message is tried
-	// again: exponential in its attempts, with jitter. MaxPublishBackoff is at most 24h; if not
+	// again: exponential in its attempts, with jitter. MinPublishBackoff is at least 1ms (shorter
+	// would spend a message's attempts at once) and MaxPublishBackoff at most 24h; if not
 	// specified, they default to 1s and 1m.
 	MinPublishBackoff, MaxPublishBackoff time.Duration
 	// Calls, when set, makes the relay execute side-effect calls written with outbox.Call. If not
@@ -189,9 +191,9 @@ func New(cfg Config) (*Relay, error) {
 	setting(&err, "Config.PollInterval", &cfg.PollInterval, DefaultPollInterval, time.Millisecond, time.Minute)
 	setting(&err, "Config.IdlePollInterval", &cfg.IdlePollInterval, max(DefaultIdlePollInterval, cfg.PollInterval),
 		cfg.PollInterval, time.Minute)
-	setting(&err, "Config.StatsInterval", &cfg.StatsInterval, DefaultStatsInterval, 1, time.Hour)
+	setting(&err, "Config.StatsInterval", &cfg.StatsInterval, DefaultStatsInterval, 10*time.Millisecond, time.Hour)
 	setting(&err, "Config.MaxPublishAttempts", &cfg.MaxPublishAttempts, DefaultMaxPublishAttempts, 1, 1000)
-	setting(&err, "Config.MinPublishBackoff", &cfg.MinPublishBackoff, DefaultMinPublishBackoff, 1, 24*time.Hour)
+	setting(&err, "Config.MinPublishBackoff", &cfg.MinPublishBackoff, DefaultMinPublishBackoff, time.Millisecond, 24*time.Hour)
 	setting(&err, "Config.MaxPublishBackoff", &cfg.MaxPublishBackoff, max(DefaultMaxPublishBackoff, cfg.MinPublishBackoff),
 		cfg.MinPublishBackoff, 24*time.Hour)
 	if err != nil {

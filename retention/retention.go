@@ -23,6 +23,8 @@ const (
 	MinCallResultRetention = 24 * time.Hour
 	DefaultBatchSize       = 1000
 	DefaultInterval        = time.Hour
+	// MinInterval is the shortest Config.Interval: a pass is several queries, not a poll.
+	MinInterval            = time.Second
 	DefaultInboxGeneration = 24 * time.Hour
 	// DefaultGenerationLockTimeout is below inbox.DefaultLockTimeout: a delivery that waits behind a
 	// rotation waits less than it is prepared to wait for a lock.
@@ -81,8 +83,8 @@ type Config struct {
 	// BatchSize is the most rows one DELETE removes. If not specified, defaults to
 	// DefaultBatchSize (1000).
 	BatchSize int
-	// Interval is the time between Run's passes. If not specified, defaults to DefaultInterval
-	// (1 hour).
+	// Interval is the time between Run's passes. At least MinInterval (1s); if not specified,
+	// defaults to DefaultInterval (1 hour).
 	Interval time.Duration
 	// Logger receives a line per pass. If not specified, defaults to slog.Default().
 	Logger *slog.Logger
@@ -156,6 +158,9 @@ func New(cfg Config) (*Cleaner, error) {
 	}
 	if cfg.GenerationLockTimeout < time.Millisecond {
 		return nil, fmt.Errorf("retention: Config.GenerationLockTimeout must be at least 1ms, got %s", cfg.GenerationLockTimeout)
+	}
+	if cfg.Interval < MinInterval {
+		return nil, fmt.Errorf("retention: Config.Interval must be at least %s, got %s: Run would repeat its passes without pause", MinInterval, cfg.Interval)
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

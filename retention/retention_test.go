@@ -137,6 +137,7 @@ func TestConfigValidation(t *testing.T) {
 		{"negative generation", retention.Config{DB: env.Pool, BrokerRetention: day, InboxGeneration: -day}, "Config.InboxGeneration must not be negative"},
 		{"generation lock timeout below PostgreSQL's unit", retention.Config{DB: env.Pool, BrokerRetention: day, GenerationLockTimeout: time.Microsecond},
 			"Config.GenerationLockTimeout must be at least 1ms"},
+		{"passes without pause", retention.Config{DB: env.Pool, BrokerRetention: day, Interval: time.Nanosecond}, "Config.Interval must be at least 1s"},
 		{"bad schema", retention.Config{DB: env.Pool, BrokerRetention: day, Schema: "Robert'); DROP"}, "Config.Schema"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
