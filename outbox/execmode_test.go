@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"sync/atomic"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -92,14 +93,21 @@ func TestEveryWayOfRunningStatementsStoresTheSameRows(t *testing.T) {
 	}
 }
 
+// openSQL opens env's database the way a service on database/sql does, through pgx's driver.
+func openSQL(t *testing.T, env *txtest.Env) *sql.DB {
+	t.Helper()
+	db, err := sql.Open("pgx", env.URL)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = db.Close() })
+	return db
+}
+
 // A service on database/sql writes in its own transaction: nothing of a rolled-back one stays.
 func TestDatabaseSQLWritesInTheCallersTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := txtest.New(t)
-	db, err := sql.Open("pgx", env.URL)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = db.Close() })
+	db := openSQL(t, env)
 	tx, err := db.BeginTx(ctx, nil)
 	require.NoError(t, err)
 	writeSample(t, env, outbox.FromSQL(tx))
@@ -107,4 +115,59 @@ func TestDatabaseSQLWritesInTheCallersTransaction(t *testing.T) {
 	var n int
 	require.NoError(t, env.Pool.QueryRow(ctx, "SELECT count(*) FROM "+env.Q("txbox_outbox")).Scan(&n))
 	require.Zero(t, n, "gone with the rollback")
+}
+
+// flipCtx is live for the first look at Done and cancelled from the second on. database/sql takes
+// the first look itself, before it hands the statement to pgx's driver; the cancellation then lands
+// in the driver, before the statement is sent — the window in which the driver says "bad
+// connection" rather than "cancelled".
+type flipCtx struct {
+	context.Context
+	looked atomic.Bool
+}
+
+func (c *flipCtx) Done() <-chan struct{} {
+	if !c.looked.Swap(true) {
+		return nil
+	}
+	done := make(chan struct{})
+	close(done)
+	return done
+}
+
+func (c *flipCtx) Err() error {
+	if c.looked.Load() {
+		return context.Canceled
+	}
+	return nil
+}
+
+// A service that branches on context.Canceled sees it through database/sql too, for messages and
+// calls alike, and not only when database/sql notices the cancellation before the driver does.
+func TestDatabaseSQLReportsACancelledContextAsCancelled(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := txtest.New(t)
+	db := openSQL(t, env)
+	w, err := outbox.New(outbox.Config{Schema: env.Schema})
+	require.NoError(t, err)
+
+	for name, write := range map[string]func(tx outbox.Execer, ctx context.Context) error{
+		"publish": func(tx outbox.Execer, ctx context.Context) error {
+			return w.Publish(ctx, tx, "orders", message.NewMessage("m-1", nil))
+		},
+		"call": func(tx outbox.Execer, ctx context.Context) error {
+			c := charge("")
+			c.IdempotencyKey = "order-1-charge"
+			_, err := w.Call(ctx, tx, c)
+			return err
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			tx, err := db.BeginTx(ctx, nil)
+			require.NoError(t, err)
+			defer func() { _ = tx.Rollback() }()
+			require.ErrorIs(t, write(outbox.FromSQL(tx), &flipCtx{Context: ctx}), context.Canceled)
+		})
+	}
 }

@@ -3,6 +3,8 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
+	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -22,8 +24,14 @@ type SQLExecer interface {
 //	_ = tx.Commit()
 //
 // The database must be opened through pgx's driver (github.com/jackc/pgx/v5/stdlib, driver name
-// "pgx"): a Publish of several messages passes arrays, which pgx's driver hands to PostgreSQL as
-// they are and drivers such as lib/pq refuse.
+// "pgx"). Other drivers are not refused, but lib/pq, for one, fails in three ways: it refuses the
+// arrays a Publish of several messages passes; its errors are not pgx's, so ErrSchemaOutdated and
+// ErrInvalidCall are not recognised; and through a *sql.DB, a connection lost after PostgreSQL ran
+// the INSERT is reported to database/sql as one it may retry, which writes the rows twice.
+//
+// A context that ends while a statement is on its way is reported as context.Canceled or
+// context.DeadlineExceeded, even where pgx's driver says "bad connection" so that database/sql
+// may retry a statement that was never sent.
 func FromSQL(tx SQLExecer) Execer {
 	return sqlExecer{tx}
 }
@@ -33,6 +41,12 @@ type sqlExecer struct{ tx SQLExecer }
 // Exec returns the rows affected in its tag, which Call reads (the statement is an INSERT).
 func (e sqlExecer) Exec(ctx context.Context, query string, args ...any) (pgconn.CommandTag, error) {
 	res, err := e.tx.ExecContext(ctx, query, args...)
+	if errors.Is(err, driver.ErrBadConn) && ctx.Err() != nil {
+		// pgx's driver reports a context that ended before the statement was sent as a bad
+		// connection, so that database/sql may retry elsewhere; in a transaction it cannot, and
+		// the caller, who branches on context.Canceled or DeadlineExceeded, would see neither.
+		return pgconn.CommandTag{}, fmt.Errorf("%w (the driver reports %v)", ctx.Err(), err)
+	}
 	if err != nil {
 		return pgconn.CommandTag{}, err
 	}
