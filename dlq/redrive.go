@@ -194,10 +194,15 @@ func PaceFor(f Filter, plan RedriveResult, opts RedriveOptions) (Filter, Redrive
 	return f, opts, nil
 }
 
-// contextErr prefers ctx's own error: the limiter reports a cancellation in its own words.
+// contextErr prefers ctx's own error: the limiter reports a cancellation in its own words, and
+// refuses a wait that would outlast ctx's deadline while the deadline is still ahead, when ctx.Err
+// is nil. A caller branching on context.DeadlineExceeded must see it either way.
 func contextErr(ctx context.Context, err error) error {
 	if ctx.Err() != nil {
 		return ctx.Err()
+	}
+	if _, ok := ctx.Deadline(); ok {
+		return fmt.Errorf("%w: %v", context.DeadlineExceeded, err)
 	}
 	return err
 }

@@ -323,6 +323,26 @@ func TestRedriveInterruptedAndRunAgain(t *testing.T) {
 	require.Zero(t, tb.count(t, "txbox_dlq", "true"))
 }
 
+// A paced redrive under a deadline stops with context.DeadlineExceeded as soon as the next batch's
+// wait would outlast the deadline: the limiter refuses that wait before the deadline passes, while
+// ctx.Err is still nil, and a caller branching on the deadline must still see it.
+func TestRedriveUnderADeadlineStopsWithDeadlineExceeded(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	tb.addMany(t, 3, dlq.SourceInbox, "orders", "o")
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	// One letter every 100 s: the first moves with the full bucket, the second would wait past the deadline.
+	res, err := tb.admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Topic: "orders"}, dlq.RedriveOptions{Rate: 0.01, Burst: 1})
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NoError(t, ctx.Err(), "the redrive stopped before the deadline, not at it")
+	require.ErrorContains(t, err, "redrive stopped after 1 of 3 letters")
+	require.Equal(t, 1, res.Moved)
+	require.Equal(t, 1, tb.count(t, "txbox_outbox", "true"))
+	require.Equal(t, 2, tb.count(t, "txbox_dlq", "true"))
+}
+
 // A message that fails again while the redrive runs comes back as a new letter; the same run must
 // not pick it up again, or a persistently failing message would circle for ever.
 func TestRedriveSelectionIsFixedAtStart(t *testing.T) {
