@@ -112,7 +112,8 @@ type DB interface {
 // metadata and partition keys.
 //
 // Each batch is one transaction: it locks its letters (skipping letters another redrive holds, so
-// no letter moves twice), writes them with outbox.Writer.Publish, deletes the 'dead' inbox rows of
+// no letter moves twice; those still there at the end, because that redrive rolled back, are
+// moved in one more pass from the start), writes them with outbox.Writer.Publish, deletes the 'dead' inbox rows of
 // inbox letters so their consumers process the messages again, and deletes the letters. A
 // consumer that processed a message (an inbox row in state 'done') keeps that row and skips the
 // redriven copy. Cancelling ctx stops between batches, or rolls the current batch back; nothing
@@ -149,16 +150,16 @@ func (a *Admin) Redrive(ctx context.Context, db DB, f Filter, opts RedriveOption
 	}
 
 	limiter := rate.NewLimiter(opts.Rate, opts.Burst)
-	start := time.Now()
+	origin, began := w.after, time.Now()
 	for res.Moved < res.Planned {
 		n := min(opts.BatchSize, res.Planned-res.Moved)
 		if err := limiter.WaitN(ctx, n); err != nil {
-			res.Elapsed = time.Since(start)
+			res.Elapsed = time.Since(began)
 			return res, fmt.Errorf("dlq: redrive stopped after %d of %d letters: %w", res.Moved, res.Planned, contextErr(ctx, err))
 		}
 		w.limit = n
 		moved, released, last, err := a.moveBatch(ctx, db, f, w)
-		res.Elapsed = time.Since(start)
+		res.Elapsed = time.Since(began)
 		if err != nil {
 			return res, fmt.Errorf("dlq: redrive stopped after %d of %d letters: %w", res.Moved, res.Planned, err)
 		}
@@ -168,7 +169,13 @@ func (a *Admin) Redrive(ctx context.Context, db DB, f Filter, opts RedriveOption
 			opts.Progress(RedriveProgress{Moved: res.Moved, Total: res.Planned, Elapsed: res.Elapsed})
 		}
 		if moved < n {
-			break // The rest went to another redrive, or was discarded meanwhile.
+			if *w.after == *origin {
+				break // The rest went to another redrive, or was discarded meanwhile.
+			}
+			// Letters another redrive held as this one passed them lie behind the cursor; if that
+			// redrive rolled back they are still here. One pass from the start picks them up.
+			w.after = origin
+			continue
 		}
 		w.after = &last
 	}

@@ -179,6 +179,37 @@ func TestRedriveConcurrentRedrivesMoveEachLetterOnce(t *testing.T) {
 	require.Zero(t, tb.count(t, "txbox_inbox", "true"))
 }
 
+// Letters another redrive holds are skipped, not waited for; if that redrive then rolls back,
+// they are still in the DLQ behind this redrive's cursor, and this redrive must not report its
+// work done without them.
+func TestRedriveMovesLettersItSkippedWhenTheirHolderRollsBack(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	tb.addMany(t, 30, dlq.SourceInbox, "orders", "o")
+
+	// The other redrive, as its first batch: it holds the ten lowest letters.
+	other, err := tb.env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer other.Rollback(ctx) //nolint:errcheck // Rolled back below.
+	held, err := other.Exec(ctx, `SELECT id FROM `+tb.env.Q("txbox_dlq")+` ORDER BY id LIMIT 10 FOR UPDATE`)
+	require.NoError(t, err)
+	require.EqualValues(t, 10, held.RowsAffected())
+
+	res, err := tb.admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Topic: "orders"}, dlq.RedriveOptions{
+		Rate: rate.Inf, BatchSize: 10,
+		Progress: func(p dlq.RedriveProgress) {
+			if p.Moved == 10 { // This redrive has passed the held letters: the other one fails.
+				require.NoError(t, other.Rollback(ctx))
+			}
+		},
+	})
+	require.NoError(t, err)
+	require.Equal(t, 30, res.Moved)
+	require.Equal(t, 30, tb.count(t, "txbox_outbox", "true"))
+	require.Zero(t, tb.count(t, "txbox_dlq", "true"))
+}
+
 // A redrive, and its dry run, refuse a selection holding a letter that cannot go back to the
 // outbox, naming it, before anything moves: a side-effect call (it may have reached the provider),
 // or a message that had no id (the outbox needs one). A narrower selection moves the rest.
