@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/puddle/v2"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
@@ -116,6 +118,34 @@ func TestReadyNamesWhatKeepsTheRelayFromWorking(t *testing.T) {
 	require.NoError(t, <-done)
 	done <- nil // for the cleanup
 	require.True(t, notReadyFor("not running")(), "after Run: %v", r.Ready())
+}
+
+// A pool closed under a running relay never comes back: Run returns an error that says so instead
+// of retrying for ever as for an outage, so a process whose pool was closed first (a wrong order
+// of deferred calls) exits rather than hang with its leases expiring.
+func TestRunReturnsWhenItsPoolIsClosed(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool, err := pgxpool.NewWithConfig(context.Background(), b.env.Pool.Config().Copy())
+	require.NoError(t, err)
+	r := b.newRelay(t, func(c *relay.Config) { c.DB = pool })
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	require.Eventually(t, func() bool { return r.Ready() == nil }, 30*time.Second, 10*time.Millisecond, "running: %v", r.Ready())
+	b.write(t, true, "before", 5)
+	require.Eventually(t, func() bool { return b.pending(t) == 0 }, 30*time.Second, 10*time.Millisecond)
+
+	pool.Close()
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, puddle.ErrClosedPool)
+	case <-time.After(time.Minute): // a hang guard, far above the lease tick of LeaseTTL/3
+		t.Fatal("Run still runs a minute after its pool was closed")
+	}
+	require.ErrorIs(t, r.Ready(), relay.ErrNotReady)
 }
 
 // A relay that executes no calls (no Config.Calls: txbox relay without STRIPE_API_KEY) and holds a

@@ -16,6 +16,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/puddle/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/trace"
@@ -140,8 +141,10 @@ type Relay struct {
 	// rebalance asks Run for a balance now (see look); liveSeen is the number of live relays the
 	// last balance saw; probedAt is when look last asked, used by watch's goroutine only.
 	rebalance chan struct{}
-	liveSeen  atomic.Int64
-	probedAt  time.Time
+	// closed carries a database failure that found the pool closed (logDB).
+	closed   chan error
+	liveSeen atomic.Int64
+	probedAt time.Time
 	// prefix is the Kafka transactional IDs' prefix ("" without transactions), set by Run before
 	// anything else runs; outboxID is the outbox identity it derives from ("" when the prefix was
 	// configured). Both change only when the outbox is made anew (balance), on Run's goroutine.
@@ -238,6 +241,7 @@ func New(cfg Config) (*Relay, error) {
 		held:       map[int]*lease{},
 		active:     make(chan struct{}, 1),
 		rebalance:  make(chan struct{}, 1),
+		closed:     make(chan error, 1),
 	}, nil
 }
 
@@ -262,8 +266,10 @@ var ErrAlreadyRunning = errors.New("relay: Run of this Relay is already running;
 
 // Run takes leases and publishes until ctx is cancelled, then finishes the batches in flight (for at
 // most one LeaseTTL, however long the broker takes to answer), gives its leases up so other relays
-// take over at once, and returns nil. It returns an error only when it cannot start; a ctx cancelled
-// while it starts is a stop, not a failure: Run returns nil, having held nothing.
+// take over at once, and returns nil. It returns an error when it cannot start, and when its
+// Config.DB is a pgxpool.Pool closed under it (the error matches puddle.ErrClosedPool): nothing
+// could publish again. A ctx cancelled while it starts is a stop, not a failure: Run returns nil,
+// having held nothing.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.runs.CompareAndSwap(false, true) {
 		return ErrAlreadyRunning
@@ -290,9 +296,33 @@ func (r *Relay) Run(ctx context.Context) error {
 	r.setRunning(true)
 	r.metrics.LeaseTTL.Set(r.cfg.LeaseTTL.Seconds())
 
+	err := r.serve(ctx)
+	if err != nil {
+		r.log.Error("relay stopped", "error", err)
+	} else {
+		r.log.Info("relay stopped")
+	}
+	return err
+}
+
+// serve balances the leases until ctx is cancelled or the database handle is closed under the
+// relay, then gives them up.
+func (r *Relay) serve(ctx context.Context) error {
+	select {
+	case <-r.closed: // left by an earlier Run's shutdown, which met the closed pool too
+	default:
+	}
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
 	var background sync.WaitGroup
 	background.Go(func() { r.reportStats(ctx) })
 	background.Go(func() { r.watch(ctx) })
+	defer func() {
+		stop()
+		r.setRunning(false)
+		r.shutdown()
+		background.Wait()
+	}()
 
 	lost := make(chan *lease, r.cfg.Shards)
 	timer := time.NewTimer(r.cfg.LeaseTTL / 3)
@@ -301,11 +331,9 @@ func (r *Relay) Run(ctx context.Context) error {
 		timer.Reset(r.balance(ctx, lost))
 		select {
 		case <-ctx.Done():
-			r.setRunning(false)
-			r.shutdown()
-			background.Wait()
-			r.log.Info("relay stopped")
 			return nil
+		case err := <-r.closed:
+			return fmt.Errorf("relay: %w", err)
 		case l := <-lost:
 			r.drop(l, "fenced")
 		case <-r.rebalance:
@@ -1151,12 +1179,19 @@ func ShardOf(partitionKey, uuid string, shards int) int {
 	return int(outbox.SlotOf(partitionKey, uuid)) % shards
 }
 
-// logDB logs a failure of the lease rounds once per database outage, and keeps it for Ready.
+// logDB logs a failure of the lease rounds once per database outage, and keeps it for Ready. A
+// closed pool is no outage: it never comes back, so Run stops.
 func (r *Relay) logDB(what string, err error) {
 	if errors.Is(err, context.Canceled) {
 		return
 	}
 	err = fmt.Errorf("%s: %w", what, err)
+	if errors.Is(err, puddle.ErrClosedPool) {
+		select {
+		case r.closed <- err:
+		default:
+		}
+	}
 	r.mu.Lock()
 	first := r.dbErr == nil
 	r.dbErr = err

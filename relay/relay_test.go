@@ -47,6 +47,14 @@ func runUntilCleanup(t *testing.T, ctx context.Context, r *relay.Relay) {
 // startRelay runs an in-process relay until the test ends.
 func (b *bundle) startRelay(t *testing.T, mutate func(*relay.Config)) *relay.Relay {
 	t.Helper()
+	r := b.newRelay(t, mutate)
+	runUntilCleanup(t, context.Background(), r)
+	return r
+}
+
+// newRelay makes the relay startRelay runs, without running it.
+func (b *bundle) newRelay(t *testing.T, mutate func(*relay.Config)) *relay.Relay {
+	t.Helper()
 	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: kafkatest.Brokers(t), TransactionalIDPrefix: b.env.Schema})
 	require.NoError(t, err)
 	cfg := relay.Config{
@@ -59,7 +67,6 @@ func (b *bundle) startRelay(t *testing.T, mutate func(*relay.Config)) *relay.Rel
 	}
 	r, err := relay.New(cfg)
 	require.NoError(t, err)
-	runUntilCleanup(t, context.Background(), r)
 	return r
 }
 
