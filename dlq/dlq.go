@@ -61,7 +61,7 @@ type Execer interface {
 // Writer adds dead letters. Components write them in the same transaction as the state change that
 // gives up on the message, so a message is never both pending and dead, nor neither.
 type Writer struct {
-	insert string
+	insert, callFirstSent string
 }
 
 // NewWriter returns a Writer for the tables in schema ("" means "public").
@@ -70,7 +70,7 @@ func NewWriter(schema string) (*Writer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dlq: %w", err)
 	}
-	return &Writer{insert: sqlname.Render(insertSQL, quoted)}, nil
+	return &Writer{insert: sqlname.Render(insertSQL, quoted), callFirstSent: sqlname.Render(callFirstSentSQL, quoted)}, nil
 }
 
 // Add writes e through tx.
@@ -109,6 +109,20 @@ func (w *Writer) Add(ctx context.Context, tx Execer, e Entry) error {
 // Querier is the part of pgx the read side needs; *pgxpool.Pool satisfies it.
 type Querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// CallFirstSent returns when the first call letter with idempotencyKey that had been sent at least
+// once was first sent, and false when there is none. A provider forgets an idempotency key a fixed
+// time after it first saw it, whichever call sent it: a writer of calls measures the key's age
+// from its dead-lettered calls too, or a call written again with the key of one that was buried
+// after reaching the provider would be sent once the provider had forgotten the key, and executed
+// twice. Letters discarded (Admin.Discard) no longer count.
+func (w *Writer) CallFirstSent(ctx context.Context, db Querier, idempotencyKey string) (time.Time, bool, error) {
+	var first pgtype.Timestamptz
+	if err := db.QueryRow(ctx, w.callFirstSent, idempotencyKey).Scan(&first); err != nil {
+		return time.Time{}, false, fmt.Errorf("dlq: first sending of the call letters with key %q: %w", idempotencyKey, err)
+	}
+	return first.Time, first.Valid, nil
 }
 
 // Depth is the number of dead letters from one source and the age of the oldest, in seconds.

@@ -40,7 +40,9 @@
 // Relay letters of kind "call" cannot be redriven: such a call may have reached the provider, or
 // its idempotency key may be past the provider's replay window, so sending it again could repeat
 // the effect. Redrive refuses a selection that contains one (ErrCallNotRedrivable). Reconcile the
-// call with the provider by hand (did the charge happen?), then Discard the letter.
+// call with the provider by hand (did the charge happen?), then Discard the letter. While it is
+// kept, a letter of a call that was sent starts its key's replay window for any call written again
+// with the key (Writer.CallFirstSent); a discarded one no longer does.
 //
 // # Discarding
 //

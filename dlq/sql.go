@@ -5,6 +5,12 @@ INSERT INTO {schema}.txbox_dlq
     (source, kind, topic, consumer, dedup_key, partition_key, uuid, payload, metadata, idempotency_key, reason, error, attempts, handler, first_failed_at)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12, $13, $14, coalesce($15::timestamptz, now()))`
 
+// callFirstSentSQL is the first attempt of the earliest call letter with the idempotency key $1
+// that was sent (a letter of a call never sent has no attempts, and its first_failed_at is when it
+// was buried).
+const callFirstSentSQL = `
+SELECT min(first_failed_at) FROM {schema}.txbox_dlq WHERE kind = 'call' AND idempotency_key = $1 AND attempts > 0`
+
 const statsSQL = `
 SELECT count(*) FILTER (WHERE source = 'inbox'),
        coalesce(extract(epoch FROM now() - min(first_failed_at) FILTER (WHERE source = 'inbox')), 0)::float8,

@@ -288,10 +288,18 @@ func (c *caller) execute(row callRow) error {
 		if err != nil {
 			return err
 		}
+		buriedFirst, ok, err := r.dead.CallFirstSent(l.ctx, tx, row.key)
+		if err != nil {
+			return err
+		}
+		if ok && buriedFirst.Before(first) {
+			ageMs += first.Sub(buriedFirst).Milliseconds()
+			first = buriedFirst
+		}
 		if age := time.Duration(ageMs) * time.Millisecond; age >= c.cfg.ReplayWindow {
 			tooOld = true
 			return c.buryTx(tx, row, attempts-1, ReasonCallTooOld, fmt.Sprintf(
-				"idempotency key %q was first sent at %s (by this call, or an earlier call with the same key), %s ago, beyond the %s replay window: "+
+				"idempotency key %q was first sent at %s (by this call, or an earlier call with the same key, pending, done or dead-lettered), %s ago, beyond the %s replay window: "+
 					"Stripe may have forgotten it, so sending the call now could execute it twice. "+
 					"Look the key up in the Stripe dashboard (Developers > Logs) to learn whether an earlier attempt went through, settle the outcome by hand, "+
 					"and if it must still happen, write it as a new call with a new key; never redrive this letter as it is.",

@@ -5,8 +5,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
@@ -46,5 +48,54 @@ func TestCallReplayWindowIsPerIdempotencyKey(t *testing.T) {
 	require.Contains(t, d.errText, key)
 	require.Equal(t, 1, s.RequestsFor(key), "the second call was never sent")
 	require.Equal(t, 1, s.ChargesFor(key), "one charge")
+	require.Zero(t, b.pendingCalls(t))
+}
+
+// A call buried after it reached the provider still started its key's day there: a call written
+// again with that key more than the window later is not sent, though the first is in the DLQ and
+// no longer in the outbox or the results. A letter of a call that was never sent (no attempts)
+// started nothing, and its key's next call is executed.
+func TestCallReplayWindowCountsDeadLetteredCalls(t *testing.T) {
+	t.Parallel()
+	env := txtest.New(t)
+	w, err := outbox.New(outbox.Config{Schema: env.Schema})
+	require.NoError(t, err)
+	clock := stripetest.NewManualClock(time.Now())
+	s := stripetest.New(stripetest.Options{KeyTTL: 24 * time.Hour, Now: clock.Now})
+	t.Cleanup(s.Close)
+	b := &callBundle{env: env, writer: w, stripe: s, sink: &memSink{}}
+	b.startCallRelay(t, nil)
+	ctx := context.Background()
+
+	sent, neverSent := "pay-buried-after-sending", "pay-buried-unsent"
+	s.Inject(stripetest.Fault{Kind: stripetest.Fault500Stored, Key: sent})
+	b.enqueue(t, chargeCall(sent, 1000))
+	require.Equal(t, relay.ReasonCallIndeterminate, b.waitDead(t, sent).reason)
+	require.Equal(t, 1, s.RequestsFor(sent))
+	// What the relay writes for a call it could not decode, before any attempt.
+	dead, err := dlq.NewWriter(env.Schema)
+	require.NoError(t, err)
+	err = pgx.BeginFunc(ctx, env.Pool, func(tx pgx.Tx) error {
+		return dead.Add(ctx, tx, dlq.Entry{Source: dlq.SourceRelay, Kind: "call", UUID: "unsent", IdempotencyKey: neverSent,
+			Reason: relay.ReasonInvalidCall, Error: "undecodable call payload"})
+	})
+	require.NoError(t, err)
+
+	// A day and an hour pass, on both clocks: Stripe forgets the keys.
+	clock.Advance(25 * time.Hour)
+	_, err = env.Pool.Exec(ctx, `UPDATE `+env.Q("txbox_dlq")+` SET first_failed_at = first_failed_at - interval '25 hours'`)
+	require.NoError(t, err)
+
+	b.enqueue(t, chargeCall(sent, 1000))
+	b.enqueue(t, chargeCall(neverSent, 1000))
+	b.waitResult(t, neverSent)
+	require.Equal(t, 1, s.ChargesFor(neverSent), "a key no call sent is young")
+	require.Eventually(t, func() bool {
+		var tooOld int
+		require.NoError(t, env.Pool.QueryRow(ctx, `SELECT count(*) FROM `+env.Q("txbox_dlq")+`
+			WHERE idempotency_key = $1 AND reason = $2`, sent, relay.ReasonCallTooOld).Scan(&tooOld))
+		return tooOld == 1
+	}, 30*time.Second, 10*time.Millisecond, "the second call of %s dead-lettered as too old", sent)
+	require.Equal(t, 1, s.RequestsFor(sent), "the second call was never sent")
 	require.Zero(t, b.pendingCalls(t))
 }

@@ -74,10 +74,10 @@
 //
 //  1. In a fenced transaction, record the attempt (first_attempt_at is set once, attempts counts
 //     up) and measure the age of the call's idempotency key with the database clock: from the first
-//     attempt of any call written with that key, pending or completed, since the provider forgets
-//     a key a fixed time after it first saw it. A call whose key is older than
-//     CallConfig.ReplayWindow goes to the dead-letter table in that same transaction and is never
-//     sent.
+//     attempt of any call written with that key, pending, completed or dead-lettered after it was
+//     sent, since the provider forgets a key a fixed time after it first saw it. A call whose key
+//     is older than CallConfig.ReplayWindow goes to the dead-letter table in that same
+//     transaction and is never sent.
 //  2. Send it through stripe-go with its Idempotency-Key, within a deadline that is the smaller of
 //     CallConfig.Timeout and the time left in the replay window, counted from before step 1.
 //  3. In a fenced transaction, act on the answer: a 2xx, a business refusal (402, a declined card)

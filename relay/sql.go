@@ -173,8 +173,9 @@ func renderQueries(schema string, slots int) queries {
 		// Runs in the fenced transaction right before a send: the first attempt is recorded before
 		// any byte leaves, and the age is measured by the database clock at this instant
 		// (clock_timestamp, not the transaction's start). The age is the idempotency key's: from
-		// the first attempt of any call with the key, pending or completed, since the provider
-		// forgets the key a fixed time after it first saw it, whichever call sent it.
+		// the first attempt of any call with the key, pending or completed (and dead-lettered: see
+		// dlq.Writer.CallFirstSent), since the provider forgets the key a fixed time after it first
+		// saw it, whichever call sent it.
 		startCall: r(`WITH c AS (
 				UPDATE {schema}.txbox_outbox
 				SET first_attempt_at = coalesce(first_attempt_at, now()), attempts = attempts + 1
