@@ -15,12 +15,10 @@ import (
 	"github.com/txbox/txbox/stripetest"
 )
 
-// The replay window belongs to the idempotency key, not to the outbox row: Stripe forgets a key a
-// day after it first saw it, whichever call sent it. A second call written with an explicit key
-// that an earlier call used more than the window ago must not be sent (Stripe would execute it
-// again); it goes to the DLQ for a person.
-func TestCallReplayWindowIsPerIdempotencyKey(t *testing.T) {
-	t.Parallel()
+// startForgetfulCallRelay runs a call relay against a Stripe double that forgets keys after 24 h
+// of the clock it returns.
+func startForgetfulCallRelay(t *testing.T) (*callBundle, *stripetest.ManualClock) {
+	t.Helper()
 	env := txtest.New(t)
 	w, err := outbox.New(outbox.Config{Schema: env.Schema})
 	require.NoError(t, err)
@@ -29,6 +27,17 @@ func TestCallReplayWindowIsPerIdempotencyKey(t *testing.T) {
 	t.Cleanup(s.Close)
 	b := &callBundle{env: env, writer: w, stripe: s, sink: &memSink{}}
 	b.startCallRelay(t, nil)
+	return b, clock
+}
+
+// The replay window belongs to the idempotency key, not to the outbox row: Stripe forgets a key a
+// day after it first saw it, whichever call sent it. A second call written with an explicit key
+// that an earlier call used more than the window ago must not be sent (Stripe would execute it
+// again); it goes to the DLQ for a person.
+func TestCallReplayWindowIsPerIdempotencyKey(t *testing.T) {
+	t.Parallel()
+	b, clock := startForgetfulCallRelay(t)
+	env, s := b.env, b.stripe
 
 	key := "pay-explicit-key"
 	b.enqueue(t, chargeCall(key, 1000))
@@ -37,7 +46,7 @@ func TestCallReplayWindowIsPerIdempotencyKey(t *testing.T) {
 
 	// A day and an hour pass, on both clocks: Stripe forgets the key.
 	clock.Advance(25 * time.Hour)
-	_, err = env.Pool.Exec(context.Background(), `UPDATE `+env.Q("txbox_call_result")+`
+	_, err := env.Pool.Exec(context.Background(), `UPDATE `+env.Q("txbox_call_result")+`
 		SET completed_at = completed_at - interval '25 hours', first_attempt_at = first_attempt_at - interval '25 hours'
 		WHERE idempotency_key = $1`, key)
 	require.NoError(t, err)
@@ -57,14 +66,8 @@ func TestCallReplayWindowIsPerIdempotencyKey(t *testing.T) {
 // started nothing, and its key's next call is executed.
 func TestCallReplayWindowCountsDeadLetteredCalls(t *testing.T) {
 	t.Parallel()
-	env := txtest.New(t)
-	w, err := outbox.New(outbox.Config{Schema: env.Schema})
-	require.NoError(t, err)
-	clock := stripetest.NewManualClock(time.Now())
-	s := stripetest.New(stripetest.Options{KeyTTL: 24 * time.Hour, Now: clock.Now})
-	t.Cleanup(s.Close)
-	b := &callBundle{env: env, writer: w, stripe: s, sink: &memSink{}}
-	b.startCallRelay(t, nil)
+	b, clock := startForgetfulCallRelay(t)
+	env, s := b.env, b.stripe
 	ctx := context.Background()
 
 	sent, neverSent := "pay-buried-after-sending", "pay-buried-unsent"
