@@ -111,7 +111,8 @@ func TestNothingFromAMessageIsRenderedAsMarkup(t *testing.T) {
 	require.Contains(t, res.body, `&#34;close&#34;: &#34;&lt;/pre&gt;&lt;script&gt;alert(2)&lt;/script&gt;&#34;`)
 
 	// What an operator types and the audit records is shown the same way.
-	form := url.Values{"csrf": {csrf}, "topic": {hostile}, "kind": {"message"}, "expect": {"2"}}
+	seen := br.get("/letters?" + url.Values{"topic": {hostile}, "kind": {"message"}}.Encode())
+	form := url.Values{"csrf": {csrf}, "topic": {hostile}, "kind": {"message"}, "expect": {"2"}, "upto": {br.upTo(seen)}}
 	require.Equal(t, http.StatusSeeOther, br.post("/letters/discard", form, nil).status)
 	audit := br.get("/audit")
 	requireInert(t, "/audit", audit)

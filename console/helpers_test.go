@@ -146,6 +146,16 @@ func (br *browser) csrf(p page) string {
 	return html.UnescapeString(m[1])
 }
 
+var upToField = regexp.MustCompile(`name="upto" value="(\d+)"`)
+
+// upTo returns the highest letter id a letters page's discard form is bounded by.
+func (br *browser) upTo(p page) string {
+	br.t.Helper()
+	m := upToField.FindStringSubmatch(p.body)
+	require.NotNil(br.t, m, "the page has no discard form:\n%s", p.body)
+	return m[1]
+}
+
 // signIn signs in as name with token and returns the session's CSRF token.
 func (br *browser) signIn(name, token string) (page, string) {
 	br.t.Helper()

@@ -121,7 +121,10 @@ type lettersView struct {
 	Limit   int
 	Letters []dlq.Letter
 	Total   int
-	Error   string
+	// UpTo is the highest letter id when the page was made: a discard from the page is bounded by
+	// it, so it cannot reach letters that failed after the operator looked.
+	UpTo  int64
+	Error string
 }
 
 func (s *Server) lettersPage(w http.ResponseWriter, r *http.Request) {
@@ -142,7 +145,11 @@ func (s *Server) lettersPage(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	f.Limit = v.Limit
-	if v.Letters, err = s.letters.List(ctx, s.cfg.DB, f); err == nil {
+	if v.UpTo, err = s.letters.MaxID(ctx, s.cfg.DB); err == nil {
+		f.MaxID = v.UpTo
+		v.Letters, err = s.letters.List(ctx, s.cfg.DB, f)
+	}
+	if err == nil {
 		v.Total = len(v.Letters)
 		if v.Total == f.Limit {
 			f.Limit = 0
@@ -188,7 +195,9 @@ func (e errSelectionChanged) Error() string {
 }
 
 // discard deletes the letters a filter selects, if they are as many as the operator saw, and
-// audits it in the same transaction.
+// audits it in the same transaction. A selection by filter is bounded by the highest letter id
+// when the page was made: a count alone let letters that failed after the operator looked take the
+// place of letters redriven meanwhile, and be discarded unseen.
 func (s *Server) discard(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	sess := operatorFrom(ctx)
@@ -198,10 +207,13 @@ func (s *Server) discard(w http.ResponseWriter, r *http.Request) {
 		back = "/letters"
 	}
 	seen, serr := strconv.Atoi(r.PostForm.Get("expect"))
+	upTo, uerr := strconv.ParseInt(r.PostForm.Get("upto"), 10, 64)
 	switch {
 	case err != nil:
 	case serr != nil || seen < 1:
 		err = errors.New("the form does not say how many letters you saw")
+	case len(f.IDs) == 0 && (uerr != nil || upTo < 1):
+		err = errors.New("the form does not say which letters you saw")
 	case f.IsEmpty():
 		err = errors.New("choose a filter first: the console never discards every letter at once")
 	}
@@ -210,7 +222,12 @@ func (s *Server) discard(w http.ResponseWriter, r *http.Request) {
 		http.Redirect(w, r, back, http.StatusSeeOther)
 		return
 	}
-	e := auditEntry{Operator: sess.operator, Action: "discard", Target: lf.String(), Detail: fmt.Sprintf("%d letter(s) seen", seen)}
+	detail := fmt.Sprintf("%d letter(s) seen", seen)
+	if len(f.IDs) == 0 {
+		f.MaxID = upTo
+		detail += fmt.Sprintf(", ids up to %d", upTo)
+	}
+	e := auditEntry{Operator: sess.operator, Action: "discard", Target: lf.String(), Detail: detail}
 	result, err := s.change(ctx, e, func(tx pgx.Tx) (string, error) {
 		n, err := s.letters.Discard(ctx, tx, f)
 		if err != nil {

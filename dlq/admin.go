@@ -70,6 +70,11 @@ type Filter struct {
 	IDs []int64
 	// Limit selects at most this many letters, lowest ids first. Zero means no limit.
 	Limit int
+	// MaxID selects letters whose id is at most MaxID; zero leaves it open. Letters get ascending
+	// ids, so a change to the selection a person saw, bounded by the highest id there was then
+	// (Admin.MaxID), cannot reach letters added since, which the person did not see. Like Limit,
+	// it is no condition for IsEmpty.
+	MaxID int64
 	// All states that a filter without conditions is meant to select every letter. Discard and
 	// Redrive refuse an empty filter without it (ErrEmptyFilter).
 	All bool
@@ -94,6 +99,8 @@ func (f Filter) validate() error {
 		return fmt.Errorf("dlq: Filter.YoungerThan must not be negative, got %s", f.YoungerThan)
 	case f.Limit < 0:
 		return fmt.Errorf("dlq: Filter.Limit must not be negative, got %d", f.Limit)
+	case f.MaxID < 0:
+		return fmt.Errorf("dlq: Filter.MaxID must not be negative, got %d", f.MaxID)
 	}
 	return nil
 }
@@ -126,9 +133,13 @@ func (f Filter) args(w window) []any {
 	if w.limit > 0 {
 		limit = w.limit
 	}
+	atMost := w.atMost
+	if f.MaxID > 0 && (atMost == nil || *atMost > f.MaxID) {
+		atMost = &f.MaxID
+	}
 	return []any{
 		opt(string(f.Source)), opt(f.Kind), opt(f.Topic), opt(f.Consumer), opt(f.Reason),
-		micros(f.OlderThan), micros(f.YoungerThan), w.asOf, ids, w.after, w.atMost, limit, opt(f.Handler),
+		micros(f.OlderThan), micros(f.YoungerThan), w.asOf, ids, w.after, atMost, limit, opt(f.Handler),
 	}
 }
 
@@ -158,7 +169,7 @@ type Admin struct {
 }
 
 type adminQueries struct {
-	list, get, count, discard, plan, lockBatch, releaseDead, recordRedrive, deleteLetters string
+	list, get, count, maxID, discard, plan, lockBatch, releaseDead, recordRedrive, deleteLetters string
 }
 
 // NewAdmin validates cfg and returns an Admin.
@@ -176,7 +187,7 @@ func NewAdmin(cfg AdminConfig) (*Admin, error) {
 	return &Admin{
 		outbox: cfg.Outbox,
 		sql: adminQueries{
-			list: r(listSQL), get: r(getSQL), count: r(countSQL), discard: r(discardSQL),
+			list: r(listSQL), get: r(getSQL), count: r(countSQL), maxID: r(maxIDSQL), discard: r(discardSQL),
 			plan: r(planSQL), lockBatch: r(lockBatchSQL), releaseDead: r(releaseDeadSQL),
 			recordRedrive: r(recordRedriveSQL), deleteLetters: r(deleteLettersSQL),
 		},
@@ -210,6 +221,15 @@ func (a *Admin) Get(ctx context.Context, db Querier, id int64) (Letter, error) {
 		return Letter{}, fmt.Errorf("dlq: get %d: %w", id, err)
 	}
 	return l, nil
+}
+
+// MaxID returns the highest letter id there is (0 when there has been none), for Filter.MaxID.
+func (a *Admin) MaxID(ctx context.Context, db Querier) (int64, error) {
+	var id int64
+	if err := db.QueryRow(ctx, a.sql.maxID).Scan(&id); err != nil {
+		return 0, fmt.Errorf("dlq: highest letter id: %w", err)
+	}
+	return id, nil
 }
 
 // Count returns how many letters f selects, at most Filter.Limit when that is set.

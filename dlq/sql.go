@@ -64,6 +64,10 @@ SELECT count(*) FROM (
     SELECT id FROM {schema}.txbox_dlq WHERE ` + filterSQL + openWindowSQL + ` ORDER BY id LIMIT $12
 ) AS s`
 
+// maxIDSQL is the highest id of the letters committed so far (a letter whose transaction is
+// still open may commit with a lower one).
+const maxIDSQL = `SELECT coalesce(max(id), 0) FROM {schema}.txbox_dlq`
+
 const discardSQL = `
 DELETE FROM {schema}.txbox_dlq
 WHERE id IN (SELECT id FROM {schema}.txbox_dlq WHERE ` + filterSQL + openWindowSQL + ` ORDER BY id LIMIT $12)`
