@@ -315,9 +315,11 @@ func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window
 			consumers = append(consumers, l.Consumer)
 			handlers = append(handlers, l.Handler)
 			dedupKeys = append(dedupKeys, l.DedupKey)
-			uuids = append(uuids, l.UUID)
-			uuidTopics = append(uuidTopics, l.Topic)
 		}
+		// Relay letters too: a message buried as it was published may have reached consumers,
+		// whose 'done' rows must outlive the redriven copy as well.
+		uuids = append(uuids, l.UUID)
+		uuidTopics = append(uuidTopics, l.Topic)
 		msg := message.NewMessage(l.UUID, l.Payload)
 		for k, v := range l.Metadata {
 			msg.Metadata.Set(k, v)
@@ -351,9 +353,9 @@ func (a *Admin) moveBatch(ctx context.Context, db TxBeginner, f Filter, w window
 			return 0, 0, 0, fmt.Errorf("release inbox rows: %w", err)
 		}
 		released = int(tag.RowsAffected())
-		if _, err := tx.Exec(ctx, a.sql.recordRedrive, uuids, uuidTopics); err != nil {
-			return 0, 0, 0, fmt.Errorf("record the redrive: %w", err)
-		}
+	}
+	if _, err := tx.Exec(ctx, a.sql.recordRedrive, uuids, uuidTopics); err != nil {
+		return 0, 0, 0, fmt.Errorf("record the redrive: %w", err)
 	}
 	if _, err := tx.Exec(ctx, a.sql.deleteLetters, ids); err != nil {
 		return 0, 0, 0, fmt.Errorf("delete letters: %w", err)

@@ -65,7 +65,8 @@ const (
 	// to it). Fix the cause, then redrive the letter.
 	ReasonPublishAttemptsExhausted = "publish attempts exhausted"
 	// ReasonBuried: an operator moved the row to the dead-letter table (Admin.Bury); the letter's
-	// error holds the operator's note.
+	// error holds the operator's note. Package retention matches it by value: such a message may
+	// have been published as it was buried, so its letter keeps consumers' inbox rows.
 	ReasonBuried = "buried by operator"
 )
 

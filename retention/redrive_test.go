@@ -10,12 +10,15 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/time/rate"
 
 	"github.com/txbox/txbox/dlq"
 	"github.com/txbox/txbox/inbox"
 	"github.com/txbox/txbox/internal/txtest"
+	"github.com/txbox/txbox/outbox"
+	"github.com/txbox/txbox/relay"
 	"github.com/txbox/txbox/retention"
 )
 
@@ -99,4 +102,47 @@ func TestRedrivenMessagesAreRememberedForTheInboxRetentionFromTheRedrive(t *test
 	require.Zero(t, rep.RedrivenKept)
 	require.Equal(t, int64(1), rep.RedrivesDeleted)
 	require.Zero(t, tb.count(t, "txbox_redrive", "true"))
+}
+
+// A message an operator buries while the relay publishes it may reach consumers all the same:
+// while its letter waits, and after it is redriven, the consumers that processed it keep their
+// 'done' rows, as for an inbox letter. Before, relay letters counted for neither, and a consumer
+// processed the redriven copy a second time.
+func TestABuriedMessageIsRememberedWhileItsLetterWaitsAndAfterItsRedrive(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	w, err := outbox.New(outbox.Config{Schema: tb.env.Schema})
+	require.NoError(t, err)
+	m := message.NewMessage(watermill.NewUUID(), []byte("order 7"))
+	require.NoError(t, pgx.BeginFunc(ctx, tb.env.Pool, func(tx pgx.Tx) error { return w.Publish(ctx, tx, "orders", m) }))
+	var rowID int64
+	require.NoError(t, tb.env.Pool.QueryRow(ctx, `SELECT id FROM `+tb.env.Q("txbox_outbox")).Scan(&rowID))
+	ra, err := relay.NewAdmin(relay.AdminConfig{Schema: tb.env.Schema})
+	require.NoError(t, err)
+	_, err = ra.Bury(ctx, tb.env.Pool, rowID, "stuck, looked at later")
+	require.NoError(t, err)
+	// X processed M ten days ago, as it was buried; the letter has waited nine.
+	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_inbox")+` (consumer, dedup_key, message_uuid, topic, state, received_at)
+		VALUES ('x', $1, $1, 'orders', 'done', now() - interval '10 days')`, m.UUID)
+	tb.exec(t, `UPDATE `+tb.env.Q("txbox_dlq")+` SET first_failed_at = now() - interval '9 days'`)
+	clean := func() retention.Report {
+		t.Helper()
+		rep, err := tb.cleaner(t, retention.Config{BrokerRetention: 7 * day, InboxRetention: 8 * day}).RunOnce(ctx)
+		require.NoError(t, err)
+		return rep
+	}
+
+	rep := clean()
+	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'x'"), "X forgot M while its letter may still be redriven")
+	require.InDelta(t, (9 * day).Seconds(), rep.OldestLetterAge.Seconds(), 60)
+
+	admin, err := dlq.NewAdmin(dlq.AdminConfig{Schema: tb.env.Schema})
+	require.NoError(t, err)
+	res, err := admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Source: dlq.SourceRelay}, dlq.RedriveOptions{Rate: rate.Inf})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Moved)
+	rep = clean()
+	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'x'"), "X forgot M while its redriven copy can still reach it")
+	require.Equal(t, int64(1), rep.RedrivenKept)
 }

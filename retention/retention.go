@@ -205,9 +205,10 @@ type Report struct {
 	RedrivesDeleted    int64
 	CallResultsDeleted int64
 	// DoneCutoff is the receipt time before which processed inbox rows were deleted: InboxRetention
-	// before now, or before the oldest inbox letter in the DLQ when there is one.
+	// before now, or before the oldest letter in the DLQ that consumers may have seen (an inbox
+	// letter, or a buried relay message's) when there is one.
 	DoneCutoff time.Time
-	// OldestLetterAge is the age of the oldest inbox letter in the DLQ, by which DoneCutoff was
+	// OldestLetterAge is the age of the oldest such letter in the DLQ, by which DoneCutoff was
 	// held back; zero when there is none.
 	OldestLetterAge time.Duration
 	// Tables are the sizes of txbox's tables after the pass (unset when the pass failed).
@@ -473,7 +474,7 @@ func (c *Cleaner) log(rep Report, err error) {
 			"generation", rep.Generation, "generation_lock_timeout", c.cfg.GenerationLockTimeout)
 	}
 	if rep.OldestLetterAge > c.cfg.InboxRetention {
-		c.cfg.Logger.Warn("the oldest inbox letter in the DLQ keeps processed inbox rows beyond InboxRetention; redrive or discard it",
+		c.cfg.Logger.Warn("the oldest letter in the DLQ a consumer may have seen keeps processed inbox rows beyond InboxRetention; redrive or discard it",
 			"oldest_letter_age", rep.OldestLetterAge.Round(time.Second), "inbox_retention", c.cfg.InboxRetention)
 	}
 }

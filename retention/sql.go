@@ -39,15 +39,20 @@ func renderQueries(schema string) queries {
 
 // cutoffsSQL computes a pass's cutoffs by the database's clock, from the retentions in
 // microseconds ($1 inbox, $2 call results). The 'done' cutoff is also measured back from the
-// oldest inbox letter still in the DLQ (see the package documentation for why); relay letters
-// were never delivered, so no inbox row is about them.
+// oldest letter still in the DLQ that consumers may have seen (see the package documentation for
+// why): an inbox letter, or the letter of a message an operator buried (relay.ReasonBuried),
+// which may have been published as it was buried. The relay's other letters are of messages the
+// broker refused, which no consumer saw.
 const cutoffsSQL = `
 SELECT now(),
        least(now(), coalesce(d.oldest, now())) - $1 * interval '1 microsecond',
        now() - $1 * interval '1 microsecond',
        now() - $2 * interval '1 microsecond',
        d.oldest
-FROM (SELECT min(first_failed_at) AS oldest FROM {schema}.txbox_dlq WHERE source = 'inbox') AS d`
+FROM (SELECT least(
+    (SELECT min(first_failed_at) FROM {schema}.txbox_dlq WHERE source = 'inbox'),
+    (SELECT min(first_failed_at) FROM {schema}.txbox_dlq WHERE source = 'relay' AND kind = 'message' AND reason = 'buried by operator')
+) AS oldest) AS d`
 
 // Inbox generations (migrations/00011_inbox_generations.sql, the package documentation).
 // Partitions are named generationPrefix and their generation, and made and dropped by statements
