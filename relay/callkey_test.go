@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"context"
+	"log/slog"
 	"testing"
 	"time"
 
@@ -12,12 +13,13 @@ import (
 	"github.com/txbox/txbox/internal/txtest"
 	"github.com/txbox/txbox/outbox"
 	"github.com/txbox/txbox/relay"
+	"github.com/txbox/txbox/retention"
 	"github.com/txbox/txbox/stripetest"
 )
 
 // startForgetfulCallRelay runs a call relay against a Stripe double that forgets keys after 24 h
 // of the clock it returns.
-func startForgetfulCallRelay(t *testing.T) (*callBundle, *stripetest.ManualClock) {
+func startForgetfulCallRelay(t *testing.T) (*callBundle, *stripetest.ManualClock, *callRelay) {
 	t.Helper()
 	env := txtest.New(t)
 	w, err := outbox.New(outbox.Config{Schema: env.Schema})
@@ -26,8 +28,7 @@ func startForgetfulCallRelay(t *testing.T) (*callBundle, *stripetest.ManualClock
 	s := stripetest.New(stripetest.Options{KeyTTL: 24 * time.Hour, Now: clock.Now})
 	t.Cleanup(s.Close)
 	b := &callBundle{env: env, writer: w, stripe: s, sink: &memSink{}}
-	b.startCallRelay(t, nil)
-	return b, clock
+	return b, clock, b.startCallRelay(t, nil)
 }
 
 // The replay window belongs to the idempotency key, not to the outbox row: Stripe forgets a key a
@@ -36,7 +37,7 @@ func startForgetfulCallRelay(t *testing.T) (*callBundle, *stripetest.ManualClock
 // again); it goes to the DLQ for a person.
 func TestCallReplayWindowIsPerIdempotencyKey(t *testing.T) {
 	t.Parallel()
-	b, clock := startForgetfulCallRelay(t)
+	b, clock, _ := startForgetfulCallRelay(t)
 	env, s := b.env, b.stripe
 
 	key := "pay-explicit-key"
@@ -66,7 +67,7 @@ func TestCallReplayWindowIsPerIdempotencyKey(t *testing.T) {
 // started nothing, and its key's next call is executed.
 func TestCallReplayWindowCountsDeadLetteredCalls(t *testing.T) {
 	t.Parallel()
-	b, clock := startForgetfulCallRelay(t)
+	b, clock, _ := startForgetfulCallRelay(t)
 	env, s := b.env, b.stripe
 	ctx := context.Background()
 
@@ -101,4 +102,37 @@ func TestCallReplayWindowCountsDeadLetteredCalls(t *testing.T) {
 	}, 30*time.Second, 10*time.Millisecond, "the second call of %s dead-lettered as too old", sent)
 	require.Equal(t, 1, s.RequestsFor(sent), "the second call was never sent")
 	require.Zero(t, b.pendingCalls(t))
+}
+
+// Retention keeps the result of a key a pending call has: the relay measures the key's replay
+// window from it. Before, a pass deleted it once it was older than CallResultRetention, and a call
+// written again with the key of one done more than a day before was sent and executed twice.
+func TestRetentionKeepsTheResultOfAKeyAPendingCallHas(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b, clock, first := startForgetfulCallRelay(t)
+	env, s := b.env, b.stripe
+	key := "pay-explicit-key"
+	b.enqueue(t, chargeCall(key, 1000))
+	b.waitResult(t, key)
+	require.NoError(t, first.stop())
+
+	clock.Advance(25 * time.Hour)
+	_, err := env.Pool.Exec(ctx, `UPDATE `+env.Q("txbox_call_result")+`
+		SET completed_at = completed_at - interval '25 hours', first_attempt_at = first_attempt_at - interval '25 hours'
+		WHERE idempotency_key = $1`, key)
+	require.NoError(t, err)
+	b.enqueue(t, chargeCall(key, 1000))
+	c, err := retention.New(retention.Config{DB: env.Pool, Schema: env.Schema, BrokerRetention: 7 * 24 * time.Hour,
+		CallResultRetention: retention.MinCallResultRetention, Logger: slog.New(slog.NewTextHandler(testWriter{t}, nil))})
+	require.NoError(t, err)
+	rep, err := c.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Zero(t, rep.CallResultsDeleted)
+
+	b.startCallRelay(t, nil)
+	require.Eventually(t, func() bool { return b.pendingCalls(t) == 0 }, 30*time.Second, 10*time.Millisecond)
+	require.Equal(t, 1, s.RequestsFor(key), "the second call was never sent: its key was first sent 25 h ago")
+	require.Equal(t, 1, s.ChargesFor(key))
+	require.Equal(t, relay.ReasonCallTooOld, b.waitDead(t, key).reason)
 }

@@ -51,7 +51,8 @@
 // deletes them itself. Once the letter is discarded, the row goes after InboxRetention, like a
 // 'done' row. Attempt counters go once their message is settled, or when no delivery came for
 // InboxRetention. Call results are kept for Config.CallResultRetention, for audit and
-// reconciliation; nothing else reads them.
+// reconciliation, and beyond it while a call with the same idempotency key is pending: the relay
+// measures the key's replay window from its result.
 //
 // # Generations
 //

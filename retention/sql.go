@@ -251,11 +251,14 @@ WHERE ctid = ANY(ARRAY(
        OR EXISTS (SELECT 1 FROM {schema}.txbox_inbox AS i
                    WHERE i.consumer = a.consumer AND i.dedup_key = a.dedup_key AND i.handler IN (a.handler, '')))`
 
+// deleteCallResultsSQL keeps the result of a key a pending call has: the relay measures the
+// key's replay window from it, and without it would send a call whose key the provider forgot.
 const deleteCallResultsSQL = `
 DELETE FROM {schema}.txbox_call_result
 WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM {schema}.txbox_call_result
-        WHERE completed_at < $1
+        SELECT r.ctid FROM {schema}.txbox_call_result AS r
+        WHERE r.completed_at < $1
+          AND NOT EXISTS (SELECT 1 FROM {schema}.txbox_outbox AS o WHERE o.kind = 'call' AND o.idempotency_key = r.idempotency_key)
         LIMIT $2
         FOR UPDATE SKIP LOCKED))
   AND completed_at < $1`
