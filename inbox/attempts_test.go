@@ -157,7 +157,7 @@ func TestShutdownDuringTheOpeningRoundTripLeavesNoMarker(t *testing.T) {
 	b := setup(t, nil)
 	h := b.inbox.Middleware(b.handler(nil))
 	msg := newMessage()
-	lockGenerations := "SELECT pg_advisory_xact_lock(" + strings.ReplaceAll(inboxgen.LockKey, "{schema}", pgx.Identifier{b.env.Schema}.Sanitize()) + ")"
+	lockGenerations := strings.ReplaceAll(inboxgen.RotationLock, "{schema}", pgx.Identifier{b.env.Schema}.Sanitize())
 	transientFailures(t, b, h, msg, func() error {
 		ctx := context.Background()
 		rotation, err := b.env.Pool.Begin(ctx)

@@ -23,8 +23,8 @@
 // time instead of deleting them one by one (package retention). The row goes into the current
 // generation, whose primary key catches a racing delivery as above; the insert also looks for the
 // message in every older generation alive, one index probe each. Each inbox transaction first
-// holds an advisory lock shared, in the same round trip as the insert: retention takes it
-// exclusively to switch generations, so a delivery never inserts into the new generation while
+// takes the generation table's ROW SHARE lock, in the same round trip as the insert: retention
+// takes its EXCLUSIVE lock to switch generations, so a delivery never inserts into the new generation while
 // one of the same message is uncommitted in the old (internal/inboxgen). That switch makes new
 // deliveries wait at most retention's Config.GenerationLockTimeout, and a delivery that waits
 // longer than LockTimeout fails transiently, like any lock wait.

@@ -696,12 +696,29 @@ func (ib *Inbox) count(ctx context.Context, mark *marker) error {
 // beginWithRow begins a transaction and runs insert, the statement that inserts the message's inbox
 // row, as its first, after the generation lock (lockGenerationSQL): all three in one round trip
 // (pgx's Batch.BeginTx), each a statement of its own, so that the insert's snapshot is taken once
-// the lock is held. On error, the transaction is over.
+// the lock is held. While a rotation has the lock, it waits for the rotation to end (awaitRotation)
+// and begins again. On error, the transaction is over.
 //
 // A crash marker, when mark is not nil, goes first in the same round trip, in a transaction of its
 // own that commits before the other begins: the server runs them one after the other, so the
 // marker is committed before the inbox row's statements run, and before the handler can.
 func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any, mark *marker) (pgx.Tx, pgconn.CommandTag, error) {
+	for {
+		tx, tag, err := ib.tryBeginWithRow(ctx, insert, args, mark)
+		if !errors.Is(err, errRotating) {
+			return tx, tag, err
+		}
+		mark = nil // Committed: the attempt is counted once.
+		if err := ib.awaitRotation(ctx, args[3]); err != nil {
+			return nil, tag, err
+		}
+	}
+}
+
+// errRotating is tryBeginWithRow's answer when the generation lock is taken.
+var errRotating = errors.New("a rotation of the inbox's generations has the generation lock")
+
+func (ib *Inbox) tryBeginWithRow(ctx context.Context, insert string, args []any, mark *marker) (pgx.Tx, pgconn.CommandTag, error) {
 	batch := &pgx.Batch{}
 	batch.BeginTx(pgx.TxOptions{})
 	if mark != nil {
@@ -709,7 +726,8 @@ func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any, ma
 		batch.Queue("commit")
 		batch.Queue("begin")
 	}
-	batch.Queue(ib.sql.lockGeneration, args[3], args[4]) // The insert's bounds (Inbox.args).
+	lock := len(batch.QueuedQueries)
+	batch.Queue(ib.sql.lockGeneration)
 	batch.Queue(insert, args...)
 	results := ib.cfg.DB.SendBatch(ctx, batch)
 	tx := results.Tx()
@@ -728,6 +746,9 @@ func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any, ma
 			mark.committed = err == nil && i == 2
 		}
 		if err != nil {
+			if pgErr := (*pgconn.PgError)(nil); i == lock && errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
+				err = fmt.Errorf("%w: %w", errRotating, err)
+			}
 			break
 		}
 	}
@@ -742,6 +763,30 @@ func (ib *Inbox) beginWithRow(ctx context.Context, insert string, args []any, ma
 		return nil, tag, err
 	}
 	return tx, tag, nil
+}
+
+// awaitRotation waits, at most lockTimeout, until the rotation that has the generation lock ends:
+// in a transaction that takes the lock and nothing else, so that the lock's wait has its bound.
+func (ib *Inbox) awaitRotation(ctx context.Context, lockTimeout any) error {
+	batch := &pgx.Batch{}
+	batch.BeginTx(pgx.TxOptions{})
+	batch.Queue(lockTimeoutSQL, lockTimeout)
+	batch.Queue(ib.sql.awaitGeneration)
+	results := ib.cfg.DB.SendBatch(ctx, batch)
+	var err error
+	for range batch.QueuedQueries {
+		if _, err = results.Exec(); err != nil {
+			break
+		}
+	}
+	if cerr := results.Close(); err == nil {
+		err = cerr
+	}
+	rollback(ctx, results.Tx())
+	if err != nil {
+		return fmt.Errorf("wait for the generation lock: %w", err)
+	}
+	return nil
 }
 
 // rollback ends tx, if there is one, even when ctx is cancelled.

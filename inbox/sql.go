@@ -6,23 +6,24 @@ import (
 )
 
 type queries struct {
-	countAttempt, runAlone, endAttempt, deleteAttempts, lockGeneration, insertInbox, insertDead, flushStats string
+	countAttempt, runAlone, endAttempt, deleteAttempts, lockGeneration, awaitGeneration, insertInbox, insertDead, flushStats string
 }
 
 func renderQueries(schema string) queries {
 	return queries{
-		countAttempt:   sqlname.Render(countAttemptSQL, schema),
-		runAlone:       sqlname.Render(runAloneSQL, schema),
-		endAttempt:     sqlname.Render(endAttemptSQL, schema),
-		deleteAttempts: sqlname.Render(deleteAttemptsSQL, schema),
-		lockGeneration: sqlname.Render(lockGenerationSQL, schema),
-		insertInbox:    sqlname.Render(insertInboxSQL, schema),
-		insertDead:     sqlname.Render(insertDeadSQL, schema),
-		flushStats:     sqlname.Render(flushStatsSQL, schema),
+		countAttempt:    sqlname.Render(countAttemptSQL, schema),
+		runAlone:        sqlname.Render(runAloneSQL, schema),
+		endAttempt:      sqlname.Render(endAttemptSQL, schema),
+		deleteAttempts:  sqlname.Render(deleteAttemptsSQL, schema),
+		lockGeneration:  sqlname.Render(lockGenerationSQL, schema),
+		awaitGeneration: sqlname.Render(awaitGenerationSQL, schema),
+		insertInbox:     sqlname.Render(insertInboxSQL, schema),
+		insertDead:      sqlname.Render(insertDeadSQL, schema),
+		flushStats:      sqlname.Render(flushStatsSQL, schema),
 	}
 }
 
-// Every statement but lockGenerationSQL names a message's scope as $1 consumer, $2 dedup key, $3
+// Every statement but the generation lock's names a message's scope as $1 consumer, $2 dedup key, $3
 // handler, and takes the bounds $4 and $5; its own parameters start at $6.
 //
 // A row with handler '' was written outside a router, or before deduplication was per handler
@@ -107,14 +108,18 @@ DELETE FROM {schema}.txbox_inbox_attempt
 USING ` + bounds + `
 WHERE consumer = $1 AND dedup_key = $2 AND handler = $3`
 
-// lockGenerationSQL holds the generation lock shared until the transaction ends (internal/inboxgen);
-// it is the statement before every inbox row's insert, in the same round trip. It waits only while
-// retention switches the generation, at most retention's lock timeout, so it sets the bounds
-// ($1 lock_timeout, $2 idle_in_transaction_session_timeout, as bounds does) for itself and the
-// rest of the transaction.
-const lockGenerationSQL = `
-SELECT pg_advisory_xact_lock_shared(` + inboxgen.LockKey + `)
-FROM (SELECT set_config('lock_timeout', $1, true), set_config('idle_in_transaction_session_timeout', $2, true)) AS bounds`
+// lockGenerationSQL takes the generation lock (internal/inboxgen), the first statement of every
+// transaction that inserts an inbox row. LOCK cannot set the bound of its own wait, and a bound per
+// delivery written into its text would make every delivery's statement new to pgx's statement
+// cache; so it does not wait: while a rotation holds the lock or waits for it, it fails at once,
+// and the delivery waits for the rotation to end in a transaction of its own (lockTimeoutSQL, then
+// awaitGenerationSQL) and begins again.
+const lockGenerationSQL = inboxgen.DeliveryLock + ` NOWAIT`
+
+const (
+	lockTimeoutSQL     = `SELECT set_config('lock_timeout', $1, true)`
+	awaitGenerationSQL = inboxgen.DeliveryLock
+)
 
 // insertInboxSQL also deletes the message's attempt counter: the transaction commits only if the
 // handler succeeded, and then the counter is settled. Deleting it here rather than after the

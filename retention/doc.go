@@ -72,9 +72,9 @@
 // The primary key is per generation, so a delivery looks for its message in every generation
 // alive (one index probe each; about InboxRetention/InboxGeneration+1 of them) and inserts into
 // the current one. Two deliveries of one message on either side of a switch could not see each
-// other's uncommitted rows, so each inbox transaction holds an advisory lock shared and the switch
-// takes it exclusively (internal/inboxgen): it waits for the deliveries in flight, and new ones
-// wait behind it. Config.GenerationLockTimeout bounds both waits: a consumer frozen in its
+// other's uncommitted rows, so each inbox transaction holds the generation table's ROW SHARE lock from
+// its first statement and the switch takes its EXCLUSIVE lock (internal/inboxgen): it waits for the
+// deliveries in flight, and new ones wait behind it. Config.GenerationLockTimeout bounds both waits: a consumer frozen in its
 // handler (holding its transaction open up to inbox.Config.IdleInTransactionTimeout) makes the
 // rotation give up and retry at the next pass, never the other deliveries wait for it.
 //

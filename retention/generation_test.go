@@ -2,12 +2,14 @@ package retention_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/txbox/txbox/inbox"
@@ -46,7 +48,10 @@ type consumer struct {
 
 func (tb *testBundle) consumer(t *testing.T, cfg inbox.Config) *consumer {
 	t.Helper()
-	cfg.DB, cfg.Schema = tb.env.Pool, tb.env.Schema
+	cfg.Schema = tb.env.Schema
+	if cfg.DB == nil {
+		cfg.DB = tb.env.Pool
+	}
 	if cfg.Consumer == "" {
 		cfg.Consumer = "billing"
 	}
@@ -221,8 +226,8 @@ func TestAFrozenDeliveryDefersTheRotationAndHoldsUpNoOther(t *testing.T) {
 	waiting := func(mode string) bool {
 		var n int
 		require.NoError(t, tb.env.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks
-			WHERE locktype = 'advisory' AND objid = $1::regclass::oid AND mode = $2 AND NOT granted`,
-			tb.env.Q("txbox_inbox"), mode).Scan(&n))
+			WHERE locktype = 'relation' AND relation = $1::regclass AND mode = $2 AND NOT granted`,
+			tb.env.Q("txbox_inbox_generation"), mode).Scan(&n))
 		return n > 0
 	}
 	type result struct {
@@ -242,7 +247,7 @@ func TestAFrozenDeliveryDefersTheRotationAndHoldsUpNoOther(t *testing.T) {
 	var queued atomic.Bool
 	var res result
 	require.Eventually(t, func() bool {
-		if waiting("ShareLock") {
+		if waiting("RowShareLock") {
 			queued.Store(true)
 		}
 		select {
@@ -291,6 +296,77 @@ func TestAFrozenDeliveryDefersTheRotationAndHoldsUpNoOther(t *testing.T) {
 	require.Equal(t, []string{"new"}, tb.keys(t, "txbox_inbox", "generation = 1"))
 }
 
+// A delivery whose transaction is REPEATABLE READ (the database's or role's default) and that waits
+// behind a rotation takes its snapshot only once the rotation committed: one taken before would
+// still see the old generation current, and not see a delivery of the same message that inserted
+// into the new one and committed, so both would process the message.
+func TestARepeatableReadDeliveryBehindARotationSeesTheNewGeneration(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(tb.env.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["search_path"] = ""
+	cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "repeatable read"
+	cfg.ConnConfig.RuntimeParams["application_name"] = "txbox-rr-" + tb.env.Schema
+	rrPool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(rrPool.Close)
+	waitingForLock := func(where string, args ...any) bool {
+		var n int
+		require.NoError(t, tb.env.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND `+where, args...).Scan(&n))
+		return n > 0
+	}
+
+	plain := tb.consumer(t, inbox.Config{MaxAttempts: -1, LockTimeout: -1})
+	frozen, thaw := make(chan struct{}), make(chan struct{})
+	plain.hold = func(uuid string) {
+		if uuid == "frozen" {
+			close(frozen)
+			<-thaw
+		}
+	}
+	frozenDone := make(chan error, 1)
+	go func() { frozenDone <- plain.deliver("frozen") }()
+	<-frozen
+	rotation := make(chan error, 1)
+	go func() {
+		rep, err := tb.cleaner(t, retention.Config{InboxGeneration: time.Microsecond, GenerationLockTimeout: time.Minute}).RunOnce(ctx)
+		if err == nil && !rep.Rotated {
+			err = fmt.Errorf("no rotation: %+v", rep)
+		}
+		rotation <- err
+	}()
+	require.Eventually(t, func() bool { return waitingForLock("strpos(query, $1) > 0", tb.env.Schema) }, 10*time.Second, time.Millisecond,
+		"the rotation waits for the frozen delivery")
+
+	// The repeatable-read delivery queues behind the rotation, and once in its handler waits
+	// until the other delivery of its message waits for its row, or has processed the message.
+	rr := tb.consumer(t, inbox.Config{DB: rrPool, MaxAttempts: -1, LockTimeout: -1})
+	var otherDone atomic.Bool
+	rr.hold = func(string) {
+		for range 500 {
+			if otherDone.Load() || waitingForLock("wait_event = 'transactionid' AND application_name <> $1 AND strpos(query, $2) > 0", cfg.ConnConfig.RuntimeParams["application_name"], tb.env.Schema) {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	rrDone := make(chan error, 1)
+	go func() { rrDone <- rr.deliver("m") }()
+	require.Eventually(t, func() bool { return waitingForLock("application_name = $1", cfg.ConnConfig.RuntimeParams["application_name"]) }, 10*time.Second, time.Millisecond,
+		"the repeatable-read delivery waits behind the rotation")
+
+	close(thaw)
+	require.NoError(t, <-frozenDone)
+	require.NoError(t, <-rotation)
+	require.NoError(t, plain.deliver("m"))
+	otherDone.Store(true)
+	require.NoError(t, <-rrDone)
+	require.Equal(t, 1, plain.runs("m")+rr.runs("m"), "the message was processed by both deliveries")
+}
+
 // A delivery that waits for the generation lock gives up after its own LockTimeout, transiently,
 // like any lock wait: the message is retried and not charged an attempt.
 func TestGenerationLockWaitIsBoundedByTheInboxLockTimeout(t *testing.T) {
@@ -302,7 +378,7 @@ func TestGenerationLockWaitIsBoundedByTheInboxLockTimeout(t *testing.T) {
 	defer tx.Rollback(ctx) //nolint:errcheck // The test ends it.
 	quoted, err := sqlname.Schema(tb.env.Schema)
 	require.NoError(t, err)
-	_, err = tx.Exec(ctx, sqlname.Render(`SELECT pg_advisory_xact_lock(`+inboxgen.LockKey+`)`, quoted))
+	_, err = tx.Exec(ctx, sqlname.Render(inboxgen.RotationLock, quoted))
 	require.NoError(t, err)
 
 	c := tb.consumer(t, inbox.Config{LockTimeout: 50 * time.Millisecond})

@@ -89,7 +89,7 @@ FOR UPDATE OF g`
 
 // lockGenerationsSQL waits until no transaction inserts an inbox row any more, and keeps new ones
 // from starting until the rotation commits (internal/inboxgen); lock_timeout bounds both.
-const lockGenerationsSQL = `SELECT pg_advisory_xact_lock(` + inboxgen.LockKey + `)`
+const lockGenerationsSQL = inboxgen.RotationLock
 
 const newGenerationSQL = `UPDATE {schema}.txbox_inbox_generation SET generation = $1, started_at = now()`
 
