@@ -355,7 +355,9 @@ func TestARepeatableReadDeliveryBehindARotationSeesTheNewGeneration(t *testing.T
 	}
 	rrDone := make(chan error, 1)
 	go func() { rrDone <- rr.deliver("m") }()
-	require.Eventually(t, func() bool { return waitingForLock("application_name = $1", cfg.ConnConfig.RuntimeParams["application_name"]) }, 10*time.Second, time.Millisecond,
+	require.Eventually(t, func() bool {
+		return waitingForLock("application_name = $1", cfg.ConnConfig.RuntimeParams["application_name"])
+	}, 10*time.Second, time.Millisecond,
 		"the repeatable-read delivery waits behind the rotation")
 
 	close(thaw)
