@@ -44,7 +44,13 @@
 //     found when they could go rather than at the redrive, which would need an index by message
 //     UUID on every inbox insert: in the current generation, by every pass, among the rows it is
 //     about to delete (Report.RedrivenKept); in an older generation, by one scan of it before it
-//     is dropped, made only when a message was redriven within InboxRetention.
+//     is dropped, made only when a redrive record keeps rows.
+//
+//  4. A letter of a redriven copy. A consumer that fails on the copy writes a new letter, which
+//     holds the cutoff back (rule 2) only from the rows received within BrokerRetention before
+//     it: not from those of consumers that processed the original before the redrive, to which
+//     the new letter's redrive will send another copy. So a redrive record is kept, and keeps
+//     its message's rows as in rule 3, also while a letter of its message is in the DLQ.
 //
 // 'dead' rows are never deleted while their letter is in the DLQ: they keep the broker's
 // redeliveries of that message from being processed while it waits for a person, and a redrive
@@ -65,9 +71,10 @@
 // dead tuples for VACUUM; the row goes with its generation, at most a generation later (and the
 // inbox still makes its message's deliveries duplicates meanwhile). Before the drop, the rows that
 // must stay move to the current generation: 'dead' rows whose letter is in the DLQ, and the rows of
-// messages redriven within InboxRetention (with their receipt time moved forward to the redrive). A
-// message redriven after the pass read its cutoffs is not in a generation it drops: the letter was
-// in the DLQ then, and held the cutoff back from the consumers' rows of it (rule 2).
+// messages redriven within InboxRetention or with a letter waiting since their redrive (with their
+// receipt time moved forward to the redrive). A message redriven after the pass read its cutoffs
+// is not in a generation it drops: the letter was in the DLQ then, and held the cutoff back from
+// the consumers' rows of it (rule 2), or kept the record of an earlier redrive (rule 4).
 //
 // The primary key is per generation, so a delivery looks for its message in every generation
 // alive (one index probe each; about InboxRetention/InboxGeneration+1 of them) and inserts into
@@ -98,10 +105,10 @@
 // The inbox rows past the cutoff in the current generation, the one generation that cannot be
 // dropped, are deleted in batches: the rows of generation 0 (the inbox from before it had
 // generations) until the first rotation, and rows moved in whose reason went since (a 'dead' row's
-// letter discarded, a redrive older than InboxRetention). With InboxGeneration shorter than
-// InboxRetention, no row inserted by a delivery is among them. Each batch picks at most
-// Config.BatchSize rows by ctid, skipping rows another session has locked, and deletes them in one
-// statement, so no lock lasts longer than one batch and VACUUM can reclaim space while the pass
+// letter discarded, a redrive older than InboxRetention with no letter of its message waiting).
+// With InboxGeneration shorter than InboxRetention, no row inserted by a delivery is among them.
+// Each batch picks at most Config.BatchSize rows by ctid, skipping rows another session has
+// locked, and deletes them in one statement, so no lock lasts longer than one batch and VACUUM can reclaim space while the pass
 // goes on. The inbox is read through its received_at index; the attempt and call result tables have
 // no index on their timestamps, so each of their batches scans until it has found its rows, which
 // is cheap while cleanup keeps up.

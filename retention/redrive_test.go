@@ -146,3 +146,55 @@ func TestABuriedMessageIsRememberedWhileItsLetterWaitsAndAfterItsRedrive(t *test
 	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'x'"), "X forgot M while its redriven copy can still reach it")
 	require.Equal(t, int64(1), rep.RedrivenKept)
 }
+
+// Consumer X processed M long ago; Y's letter of M was redriven, and Y dead-lettered the copy
+// again. That second letter holds the cutoff back only from the rows of consumers that received
+// M within the broker's retention before it, not from X's, received before the first redrive. So
+// the record of the first redrive stays while a letter of M waits: without it, a pass dropped X's
+// generation once an older letter that had held the cutoff back was gone, and X processed the
+// copy that the second letter's redrive made.
+func TestAMessageDeadLetteredAgainAfterItsRedriveIsRememberedUntilItsNextRedrive(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	clean := func(cfg retention.Config) retention.Report {
+		t.Helper()
+		rep, err := tb.cleaner(t, cfg).RunOnce(ctx)
+		require.NoError(t, err)
+		return rep
+	}
+	// X processed M thirty days ago; a letter of another message, forty days old, holds the
+	// cutoff back, so the generation X's row is in stays when the pass makes a new one.
+	tb.inbox(t, "x", "m", "done", 1, 30*day)
+	tb.letter(t, "inbox", "z", "other-1", 40*day)
+	require.Empty(t, clean(rotating).GenerationsDropped)
+
+	// Y's letter of M was redriven twenty days ago, and Y dead-lettered the copy at once.
+	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_redrive")+` (message_uuid, topic, redriven_at) VALUES ('m-1', 'orders', now() - interval '20 days')`)
+	tb.inbox(t, "y", "m", "dead", 1, 20*day)
+	tb.letter(t, "inbox", "y", "m-1", 20*day)
+	require.Empty(t, clean(retention.Config{}).GenerationsDropped, "the older letter still holds the cutoff back")
+
+	// The older letter is discarded: now only Y's letter of M holds the cutoff back, to 28 days
+	// ago, and X's generation goes.
+	tb.exec(t, `DELETE FROM `+tb.env.Q("txbox_dlq")+` WHERE dedup_key = 'other-1'`)
+	rep := clean(retention.Config{})
+	require.Equal(t, []int64{0}, rep.GenerationsDropped)
+	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'x'"), "X forgot M while a letter of it waits to be redriven")
+
+	admin, err := dlq.NewAdmin(dlq.AdminConfig{Schema: tb.env.Schema})
+	require.NoError(t, err)
+	res, err := admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Consumer: "y"}, dlq.RedriveOptions{Rate: rate.Inf})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Moved)
+	clean(retention.Config{})
+
+	// The second redrive's copy reaches X too.
+	x := tb.consumer(t, inbox.Config{Consumer: "x", MaxAttempts: -1})
+	require.NoError(t, x.deliver("m-1"))
+	require.Zero(t, x.runs("m-1"), "X processed M twice")
+
+	// Once InboxRetention has passed since the second redrive, the record goes.
+	tb.exec(t, `UPDATE `+tb.env.Q("txbox_redrive")+` SET redriven_at = now() - interval '9 days'`)
+	require.Equal(t, int64(1), clean(retention.Config{}).RedrivesDeleted)
+}

@@ -198,7 +198,7 @@ type Report struct {
 	// DoneDeleted, DeadDeleted, AttemptsDeleted, RedrivesDeleted and CallResultsDeleted count the
 	// rows deleted one by one: processed inbox rows and dead inbox rows whose letter was discarded
 	// (both of the current generation only), orphaned attempt counters, records of redrives older
-	// than InboxRetention, and call results.
+	// than InboxRetention whose message has no letter in the DLQ, and call results.
 	DoneDeleted        int64
 	DeadDeleted        int64
 	AttemptsDeleted    int64
@@ -230,14 +230,15 @@ type TableSize struct {
 
 // RunOnce starts a new inbox generation when one is due and drops the old generations whose
 // newest row is past the cutoff (see the package documentation). In the current generation, it
-// then keeps the inbox rows of messages redriven within InboxRetention. Then it deletes, in
+// then keeps the inbox rows of messages redriven within InboxRetention, or with a letter waiting
+// since their redrive. Then it deletes, in
 // batches of BatchSize rows each committed on its own:
 //   - inbox rows of the current generation in state 'done' received before the cutoff (see the
 //     package documentation);
 //   - inbox rows of the current generation in state 'dead' older than InboxRetention whose letter
 //     is no longer in the DLQ;
 //   - attempt counters of settled messages, or with no delivery for InboxRetention;
-//   - records of redrives older than InboxRetention;
+//   - records of redrives older than InboxRetention whose message has no letter in the DLQ;
 //   - call results older than CallResultRetention.
 //
 // It returns what it did, with the table sizes, even when it stops early on an error or ctx.
@@ -403,7 +404,7 @@ func (c *Cleaner) dropGenerations(ctx context.Context, rep *Report, deadCutoff t
 			return fmt.Errorf("move the dead rows of generation %d: %w", g, err)
 		}
 		if redrives {
-			if err := c.move(ctx, rep, c.sql.moveRedriven, g, deadCutoff); err != nil {
+			if err := c.move(ctx, rep, c.sql.moveRedriven, deadCutoff, g); err != nil {
 				return fmt.Errorf("move the redriven rows of generation %d: %w", g, err)
 			}
 		}

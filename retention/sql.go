@@ -121,9 +121,17 @@ WHERE relnamespace = '{schema}'::regnamespace AND relkind = 'r' AND NOT relispar
 // when it is empty.
 const newestInGenerationSQL = `SELECT max(received_at) FROM {schema}.txbox_inbox WHERE generation = $1`
 
-// recentRedrivesSQL says whether a message was redriven since the cutoff $1; without such a
-// redrive, no generation needs the scan that moveRedrivenSQL makes.
-const recentRedrivesSQL = `SELECT EXISTS (SELECT 1 FROM {schema}.txbox_redrive WHERE redriven_at >= $1)`
+// A redrive record ($1 the cutoff) keeps the inbox rows of its message when the redrive came
+// after the cutoff, or while a letter of the message waits in the DLQ: the letter of a copy that
+// failed again holds the 'done' cutoff back only from the rows received within the broker's
+// retention before it, not from the rows of consumers that processed the message before the
+// redrive, and its own redrive will send those consumers another copy. As IN rather than a
+// correlated EXISTS, the DLQ is read once per statement, into a hash.
+const redriveKeepsSQL = `(r.redriven_at >= $1 OR (r.message_uuid, r.topic) IN (SELECT d.uuid, d.topic FROM {schema}.txbox_dlq AS d WHERE d.kind = 'message'))`
+
+// recentRedrivesSQL says whether a redrive record keeps rows (redriveKeepsSQL); without one, no
+// generation needs the scan that moveRedrivenSQL makes.
+const recentRedrivesSQL = `SELECT EXISTS (SELECT 1 FROM {schema}.txbox_redrive AS r WHERE ` + redriveKeepsSQL + `)`
 
 // Before a generation ($1) is dropped, the rows that must stay move to the current generation; the
 // old row stays until the drop, and ON CONFLICT makes a repeated move (after a failed pass) a no-op.
@@ -143,10 +151,10 @@ WHERE d.source = 'inbox' AND i.state = 'dead'
 FOR KEY SHARE OF d
 ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 
-// moveRedrivenSQL moves the rows of messages redriven since the cutoff $2, with their receipt time
-// moved forward to the redrive, as keepRedrivenSQL does for a row it keeps. There is no index by
-// message UUID (see keepRedrivenSQL), so it scans the generation, once, and only when such a
-// redrive exists (recentRedrivesSQL). A message redriven after the pass read its cutoffs is not
+// moveRedrivenSQL moves the rows of generation $2 that a redrive record keeps (redriveKeepsSQL,
+// cutoff $1), with their receipt time moved forward to the redrive, as keepRedrivenSQL does for a
+// row it keeps. There is no index by message UUID (see keepRedrivenSQL), so it scans the
+// generation, once, and only when such a record exists (recentRedrivesSQL). A message redriven after the pass read its cutoffs is not
 // in a generation the pass drops (the package documentation).
 const moveRedrivenSQL = `
 INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, state, lease_shard, lease_token, received_at, generation)
@@ -155,7 +163,7 @@ SELECT i.consumer, i.dedup_key, i.handler, i.message_uuid, i.topic, i.state, i.l
 FROM {schema}.txbox_inbox AS i
 JOIN {schema}.txbox_redrive AS r ON r.message_uuid = i.message_uuid AND r.topic = i.topic
 CROSS JOIN {schema}.txbox_inbox_generation AS g
-WHERE i.generation = $1 AND r.redriven_at >= $2
+WHERE i.generation = $2 AND ` + redriveKeepsSQL + `
 ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 
 // Inbox rows past the cutoff are deleted one by one only in the current generation, the only one
@@ -176,9 +184,12 @@ ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 const generationPlaceholder = "{generation}"
 
 // keepRedrivenSQL gives the current generation's inbox rows received before the cutoff $1 the
-// time of the redrive of their message as their receipt time, when that came after the cutoff:
-// the redriven copy can still be delivered, so every consumer that has a row for the message must
-// keep it (package doc). It touches only rows that are due, so each pass reads what it is about to
+// time of the redrive of their message as their receipt time, when a redrive record keeps them
+// (redriveKeepsSQL) and the redrive came after their receipt: the redriven copy can still be
+// delivered, or a letter of it redriven again, so every consumer that has a row for the message
+// must keep it (package doc). A row moved to a redrive before the cutoff, for a letter of the
+// message that waits, stays due but is not moved again: that letter holds the 'done' cutoff back
+// from it. It touches only rows that are due, so each pass reads what it is about to
 // delete anyway. The rows of an older generation stay where they are until it is dropped, and move
 // out of it then (moveRedrivenSQL): nothing deletes them before.
 const keepRedrivenSQL = `
@@ -188,11 +199,11 @@ WITH due AS (
     WHERE i.ctid = ANY(ARRAY(
             SELECT i.ctid FROM {generation} AS i
             JOIN {schema}.txbox_redrive AS r ON r.message_uuid = i.message_uuid AND r.topic = i.topic
-            WHERE i.received_at < $1 AND r.redriven_at >= $1
+            WHERE i.received_at < $1 AND i.received_at < r.redriven_at AND ` + redriveKeepsSQL + `
             LIMIT $2
             FOR UPDATE OF i SKIP LOCKED))
       AND r.message_uuid = i.message_uuid AND r.topic = i.topic
-      AND i.received_at < $1 AND r.redriven_at >= $1
+      AND i.received_at < $1 AND i.received_at < r.redriven_at AND ` + redriveKeepsSQL + `
     RETURNING i.consumer, i.dedup_key, i.handler, i.message_uuid, i.topic, i.state, i.lease_shard, i.lease_token, r.redriven_at
 )
 INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, state, lease_shard, lease_token, received_at, generation)
@@ -200,15 +211,15 @@ SELECT d.consumer, d.dedup_key, d.handler, d.message_uuid, d.topic, d.state, d.l
 FROM due AS d CROSS JOIN {schema}.txbox_inbox_generation AS g
 ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 
-// deleteRedrivesSQL forgets redrives older than the cutoff $1: no inbox row needs them any more.
+// deleteRedrivesSQL forgets the redrives that keep no inbox row any more (redriveKeepsSQL).
 const deleteRedrivesSQL = `
-DELETE FROM {schema}.txbox_redrive
+DELETE FROM {schema}.txbox_redrive AS r
 WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM {schema}.txbox_redrive
-        WHERE redriven_at < $1
+        SELECT r.ctid FROM {schema}.txbox_redrive AS r
+        WHERE NOT ` + redriveKeepsSQL + `
         LIMIT $2
         FOR UPDATE SKIP LOCKED))
-  AND redriven_at < $1`
+  AND NOT ` + redriveKeepsSQL
 
 const deleteDoneSQL = `
 DELETE FROM {generation}
