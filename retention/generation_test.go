@@ -73,6 +73,22 @@ func (c *consumer) deliver(uuid string) error {
 	return err
 }
 
+// freeze delivers uuid in the background and returns once its handler runs, with its transaction
+// open; the delivery ends, on done, after thaw.
+func (c *consumer) freeze(uuid string) (done <-chan error, thaw func()) {
+	frozen, thawed := make(chan struct{}), make(chan struct{})
+	c.hold = func(u string) {
+		if u == uuid {
+			close(frozen)
+			<-thawed
+		}
+	}
+	result := make(chan error, 1)
+	go func() { result <- c.deliver(uuid) }()
+	<-frozen
+	return result, func() { close(thawed) }
+}
+
 func (c *consumer) runs(uuid string) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -212,16 +228,7 @@ func TestAFrozenDeliveryDefersTheRotationAndHoldsUpNoOther(t *testing.T) {
 	tb := setup(t)
 	ctx := context.Background()
 	c := tb.consumer(t, inbox.Config{LockTimeout: -1})
-	frozen, thaw := make(chan struct{}), make(chan struct{})
-	c.hold = func(uuid string) {
-		if uuid == "frozen" {
-			close(frozen)
-			<-thaw
-		}
-	}
-	frozenDone := make(chan error, 1)
-	go func() { frozenDone <- c.deliver("frozen") }()
-	<-frozen
+	frozenDone, thaw := c.freeze("frozen")
 
 	waiting := func(mode string) bool {
 		var n int
@@ -277,7 +284,7 @@ func TestAFrozenDeliveryDefersTheRotationAndHoldsUpNoOther(t *testing.T) {
 	default:
 	}
 
-	close(thaw)
+	thaw()
 	require.NoError(t, <-frozenDone)
 	rep, err := tb.cleaner(t, rotating).RunOnce(ctx)
 	require.NoError(t, err)
@@ -320,16 +327,7 @@ func TestARepeatableReadDeliveryBehindARotationSeesTheNewGeneration(t *testing.T
 	}
 
 	plain := tb.consumer(t, inbox.Config{MaxAttempts: -1, LockTimeout: -1})
-	frozen, thaw := make(chan struct{}), make(chan struct{})
-	plain.hold = func(uuid string) {
-		if uuid == "frozen" {
-			close(frozen)
-			<-thaw
-		}
-	}
-	frozenDone := make(chan error, 1)
-	go func() { frozenDone <- plain.deliver("frozen") }()
-	<-frozen
+	frozenDone, thaw := plain.freeze("frozen")
 	rotation := make(chan error, 1)
 	go func() {
 		rep, err := tb.cleaner(t, retention.Config{InboxGeneration: time.Microsecond, GenerationLockTimeout: time.Minute}).RunOnce(ctx)
@@ -360,7 +358,7 @@ func TestARepeatableReadDeliveryBehindARotationSeesTheNewGeneration(t *testing.T
 	}, 10*time.Second, time.Millisecond,
 		"the repeatable-read delivery waits behind the rotation")
 
-	close(thaw)
+	thaw()
 	require.NoError(t, <-frozenDone)
 	require.NoError(t, <-rotation)
 	require.NoError(t, plain.deliver("m"))
