@@ -32,8 +32,10 @@
 //     A letter that waits long therefore holds the inbox's cleanup back by its age; the pass logs
 //     a warning when that exceeds InboxRetention, and Report.OldestLetterAge shows it. Of the
 //     relay's letters, only those of messages an operator buried count (relay.Admin.Bury: a
-//     message being published as it is buried may reach the broker and its consumers too); the
-//     others are of messages the broker refused, which no consumer ever saw.
+//     message being published as it is buried may reach the broker and its consumers too), and
+//     those of redriven messages the broker refused (it refused the copy, and the consumers
+//     processed the original); the others are of messages the broker refused, which no consumer
+//     ever saw.
 //
 //  3. The redriven copy itself, which the broker keeps for its whole retention from the redrive.
 //     Once the letter is gone it no longer holds the cutoff back, so the redrive records the

@@ -198,3 +198,36 @@ func TestAMessageDeadLetteredAgainAfterItsRedriveIsRememberedUntilItsNextRedrive
 	tb.exec(t, `UPDATE `+tb.env.Q("txbox_redrive")+` SET redriven_at = now() - interval '9 days'`)
 	require.Equal(t, int64(1), clean(retention.Config{}).RedrivesDeleted)
 }
+
+// A redriven message that Kafka refuses comes back to the DLQ as a relay letter. Kafka refused
+// only the copy: consumers processed the original, and the letter's redrive sends them the
+// message again, so that letter holds cleanup back like an inbox letter. Before, only buried relay
+// letters did, and X forgot M while the letter waited.
+func TestARedrivenMessageRefusedAgainIsRememberedUntilItsNextRedrive(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	clean := func(cfg retention.Config) retention.Report {
+		t.Helper()
+		rep, err := tb.cleaner(t, cfg).RunOnce(ctx)
+		require.NoError(t, err)
+		return rep
+	}
+	// X processed M thirty days ago; M was redriven twenty days ago, and Kafka refused the copy.
+	tb.inbox(t, "x", "m", "done", 1, 30*day)
+	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_redrive")+` (message_uuid, topic, redriven_at) VALUES ('m-1', 'orders', now() - interval '20 days')`)
+	tb.letter(t, "relay", "", "m-1", 20*day)
+	rep := clean(rotating)
+	require.InDelta(t, (20 * day).Seconds(), rep.OldestLetterAge.Seconds(), 60)
+	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'x'"), "X forgot M while a letter of it waits to be redriven")
+
+	admin, err := dlq.NewAdmin(dlq.AdminConfig{Schema: tb.env.Schema})
+	require.NoError(t, err)
+	res, err := admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Source: dlq.SourceRelay}, dlq.RedriveOptions{Rate: rate.Inf})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Moved)
+	clean(retention.Config{})
+	x := tb.consumer(t, inbox.Config{Consumer: "x", MaxAttempts: -1})
+	require.NoError(t, x.deliver("m-1"))
+	require.Zero(t, x.runs("m-1"), "X processed M twice")
+}

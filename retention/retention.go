@@ -206,7 +206,8 @@ type Report struct {
 	CallResultsDeleted int64
 	// DoneCutoff is the receipt time before which processed inbox rows were deleted: InboxRetention
 	// before now, or before the oldest letter in the DLQ that consumers may have seen (an inbox
-	// letter, or a buried relay message's) when there is one.
+	// letter, a buried relay message's, or a redriven message's that the broker refused) when there
+	// is one.
 	DoneCutoff time.Time
 	// OldestLetterAge is the age of the oldest such letter in the DLQ, by which DoneCutoff was
 	// held back; zero when there is none.
@@ -231,8 +232,7 @@ type TableSize struct {
 // RunOnce starts a new inbox generation when one is due and drops the old generations whose
 // newest row is past the cutoff (see the package documentation). In the current generation, it
 // then keeps the inbox rows of messages redriven within InboxRetention, or with a letter waiting
-// since their redrive. Then it deletes, in
-// batches of BatchSize rows each committed on its own:
+// since their redrive. Then it deletes, in batches of BatchSize rows each committed on its own:
 //   - inbox rows of the current generation in state 'done' received before the cutoff (see the
 //     package documentation);
 //   - inbox rows of the current generation in state 'dead' older than InboxRetention whose letter

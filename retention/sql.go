@@ -41,7 +41,8 @@ func renderQueries(schema string) queries {
 // microseconds ($1 inbox, $2 call results). The 'done' cutoff is also measured back from the
 // oldest letter still in the DLQ that consumers may have seen (see the package documentation for
 // why): an inbox letter, or the letter of a message an operator buried (relay.ReasonBuried),
-// which may have been published as it was buried. The relay's other letters are of messages the
+// which may have been published as it was buried, or the letter of a redriven message the broker
+// refused, whose original consumers processed. The relay's other letters are of messages the
 // broker refused, which no consumer saw.
 const cutoffsSQL = `
 SELECT now(),
@@ -51,7 +52,8 @@ SELECT now(),
        d.oldest
 FROM (SELECT least(
     (SELECT min(first_failed_at) FROM {schema}.txbox_dlq WHERE source = 'inbox'),
-    (SELECT min(first_failed_at) FROM {schema}.txbox_dlq WHERE source = 'relay' AND kind = 'message' AND reason = 'buried by operator')
+    (SELECT min(first_failed_at) FROM {schema}.txbox_dlq WHERE source = 'relay' AND kind = 'message'
+        AND (reason = 'buried by operator' OR (uuid, topic) IN (SELECT message_uuid, topic FROM {schema}.txbox_redrive)))
 ) AS oldest) AS d`
 
 // Inbox generations (migrations/00011_inbox_generations.sql, the package documentation).
@@ -154,8 +156,9 @@ ON CONFLICT (consumer, dedup_key, handler, generation) DO NOTHING`
 // moveRedrivenSQL moves the rows of generation $2 that a redrive record keeps (redriveKeepsSQL,
 // cutoff $1), with their receipt time moved forward to the redrive, as keepRedrivenSQL does for a
 // row it keeps. There is no index by message UUID (see keepRedrivenSQL), so it scans the
-// generation, once, and only when such a record exists (recentRedrivesSQL). A message redriven after the pass read its cutoffs is not
-// in a generation the pass drops (the package documentation).
+// generation, once, and only when such a record exists (recentRedrivesSQL). A message redriven
+// after the pass read its cutoffs is not in a generation the pass drops (the package
+// documentation).
 const moveRedrivenSQL = `
 INSERT INTO {schema}.txbox_inbox (consumer, dedup_key, handler, message_uuid, topic, state, lease_shard, lease_token, received_at, generation)
 SELECT i.consumer, i.dedup_key, i.handler, i.message_uuid, i.topic, i.state, i.lease_shard, i.lease_token,
@@ -189,9 +192,9 @@ const generationPlaceholder = "{generation}"
 // delivered, or a letter of it redriven again, so every consumer that has a row for the message
 // must keep it (package doc). A row moved to a redrive before the cutoff, for a letter of the
 // message that waits, stays due but is not moved again: that letter holds the 'done' cutoff back
-// from it. It touches only rows that are due, so each pass reads what it is about to
-// delete anyway. The rows of an older generation stay where they are until it is dropped, and move
-// out of it then (moveRedrivenSQL): nothing deletes them before.
+// from it. It touches only rows that are due, so each pass reads what it is about to delete
+// anyway. The rows of an older generation stay where they are until it is dropped, and move out of
+// it then (moveRedrivenSQL): nothing deletes them before.
 const keepRedrivenSQL = `
 WITH due AS (
     DELETE FROM {generation} AS i
