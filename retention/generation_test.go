@@ -123,7 +123,7 @@ func TestOldGenerationsAreDroppedWhole(t *testing.T) {
 	tb.inbox(t, "billing", "older", "done", 10, 9*day)
 	tb.inbox(t, "billing", "discarded", "dead", 1, 9*day)
 	tb.inbox(t, "billing", "redriven", "done", 1, 9*day)
-	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_redrive")+` (message_uuid, topic, redriven_at) VALUES ('redriven-1', 'orders', now() - interval '1 day')`)
+	tb.redriven(t, "redriven-1", day)
 	rep, err = tb.cleaner(t, rotating).RunOnce(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(2), rep.Generation)
@@ -163,7 +163,7 @@ func TestRowsThatMustStayMoveOutOfADroppedGeneration(t *testing.T) {
 	tb.letter(t, "inbox", "billing", "waiting-1", 0)
 	tb.inbox(t, "billing", "discarded", "dead", 1, 9*day)
 	tb.inbox(t, "billing", "redriven", "done", 1, 10*day)
-	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_redrive")+` (message_uuid, topic, redriven_at) VALUES ('redriven-1', 'orders', now() - interval '1 day')`)
+	tb.redriven(t, "redriven-1", day)
 	tb.inbox(t, "billing", "processed", "done", 1, 9*day)
 
 	rep, err := tb.cleaner(t, rotating).RunOnce(ctx)
@@ -421,7 +421,7 @@ func TestARedrivenRowDoesNotKeepItsGenerationAlive(t *testing.T) {
 	ctx := context.Background()
 	tb.inbox(t, "billing", "redriven", "done", 1, 10*day)
 	tb.inbox(t, "billing", "young", "done", 1, day)
-	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_redrive")+` (message_uuid, topic, redriven_at) VALUES ('redriven-1', 'orders', now() - interval '1 day')`)
+	tb.redriven(t, "redriven-1", day)
 
 	rep, err := tb.cleaner(t, rotating).RunOnce(ctx)
 	require.NoError(t, err)

@@ -22,6 +22,30 @@ import (
 	"github.com/txbox/txbox/retention"
 )
 
+// pass runs one retention pass with cfg (tb.cleaner's defaults where it leaves them).
+func (tb *testBundle) pass(t *testing.T, cfg retention.Config) retention.Report {
+	t.Helper()
+	rep, err := tb.cleaner(t, cfg).RunOnce(context.Background())
+	require.NoError(t, err)
+	return rep
+}
+
+// redrive redrives the letters filter selects, unpaced, and returns how many went back.
+func (tb *testBundle) redrive(t *testing.T, filter dlq.Filter) int {
+	t.Helper()
+	admin, err := dlq.NewAdmin(dlq.AdminConfig{Schema: tb.env.Schema})
+	require.NoError(t, err)
+	res, err := admin.Redrive(context.Background(), tb.env.Pool, filter, dlq.RedriveOptions{Rate: rate.Inf})
+	require.NoError(t, err)
+	return res.Moved
+}
+
+// redriven records a redrive of uuid on 'orders' ago.
+func (tb *testBundle) redriven(t *testing.T, uuid string, ago time.Duration) {
+	t.Helper()
+	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_redrive")+` (message_uuid, topic, redriven_at) VALUES ($1, 'orders', now() - $2 * interval '1 second')`, uuid, ago.Seconds())
+}
+
 // Consumer X processed message M; consumer Y dead-lettered it. M is redriven: the copy is on the
 // broker for its whole retention again, so X must remember M for InboxRetention from the redrive,
 // not from its original processing.
@@ -74,11 +98,7 @@ func TestRedrivenMessagesAreRememberedForTheInboxRetentionFromTheRedrive(t *test
 	// Ten days on: X processed M then, Y gave up nine days ago.
 	tb.exec(t, `UPDATE `+tb.env.Q("txbox_inbox")+` SET received_at = now() - interval '10 days'`)
 	tb.exec(t, `UPDATE `+tb.env.Q("txbox_dlq")+` SET first_failed_at = now() - interval '9 days'`)
-	admin, err := dlq.NewAdmin(dlq.AdminConfig{Schema: tb.env.Schema})
-	require.NoError(t, err)
-	res, err := admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Consumer: "y"}, dlq.RedriveOptions{Rate: rate.Inf})
-	require.NoError(t, err)
-	require.Equal(t, 1, res.Moved)
+	require.Equal(t, 1, tb.redrive(t, dlq.Filter{Consumer: "y"}))
 
 	// X's original horizon (processed 10 days ago, InboxRetention 8 days) has passed; the
 	// redrive's has not.
@@ -128,20 +148,14 @@ func TestABuriedMessageIsRememberedWhileItsLetterWaitsAndAfterItsRedrive(t *test
 	tb.exec(t, `UPDATE `+tb.env.Q("txbox_dlq")+` SET first_failed_at = now() - interval '9 days'`)
 	clean := func() retention.Report {
 		t.Helper()
-		rep, err := tb.cleaner(t, retention.Config{BrokerRetention: 7 * day, InboxRetention: 8 * day}).RunOnce(ctx)
-		require.NoError(t, err)
-		return rep
+		return tb.pass(t, retention.Config{BrokerRetention: 7 * day, InboxRetention: 8 * day})
 	}
 
 	rep := clean()
 	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'x'"), "X forgot M while its letter may still be redriven")
 	require.InDelta(t, (9 * day).Seconds(), rep.OldestLetterAge.Seconds(), 60)
 
-	admin, err := dlq.NewAdmin(dlq.AdminConfig{Schema: tb.env.Schema})
-	require.NoError(t, err)
-	res, err := admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Source: dlq.SourceRelay}, dlq.RedriveOptions{Rate: rate.Inf})
-	require.NoError(t, err)
-	require.Equal(t, 1, res.Moved)
+	require.Equal(t, 1, tb.redrive(t, dlq.Filter{Source: dlq.SourceRelay}))
 	rep = clean()
 	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'x'"), "X forgot M while its redriven copy can still reach it")
 	require.Equal(t, int64(1), rep.RedrivenKept)
@@ -156,38 +170,27 @@ func TestABuriedMessageIsRememberedWhileItsLetterWaitsAndAfterItsRedrive(t *test
 func TestAMessageDeadLetteredAgainAfterItsRedriveIsRememberedUntilItsNextRedrive(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
-	ctx := context.Background()
-	clean := func(cfg retention.Config) retention.Report {
-		t.Helper()
-		rep, err := tb.cleaner(t, cfg).RunOnce(ctx)
-		require.NoError(t, err)
-		return rep
-	}
 	// X processed M thirty days ago; a letter of another message, forty days old, holds the
 	// cutoff back, so the generation X's row is in stays when the pass makes a new one.
 	tb.inbox(t, "x", "m", "done", 1, 30*day)
 	tb.letter(t, "inbox", "z", "other-1", 40*day)
-	require.Empty(t, clean(rotating).GenerationsDropped)
+	require.Empty(t, tb.pass(t, rotating).GenerationsDropped)
 
 	// Y's letter of M was redriven twenty days ago, and Y dead-lettered the copy at once.
-	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_redrive")+` (message_uuid, topic, redriven_at) VALUES ('m-1', 'orders', now() - interval '20 days')`)
+	tb.redriven(t, "m-1", 20*day)
 	tb.inbox(t, "y", "m", "dead", 1, 20*day)
 	tb.letter(t, "inbox", "y", "m-1", 20*day)
-	require.Empty(t, clean(retention.Config{}).GenerationsDropped, "the older letter still holds the cutoff back")
+	require.Empty(t, tb.pass(t, retention.Config{}).GenerationsDropped, "the older letter still holds the cutoff back")
 
 	// The older letter is discarded: now only Y's letter of M holds the cutoff back, to 28 days
 	// ago, and X's generation goes.
 	tb.exec(t, `DELETE FROM `+tb.env.Q("txbox_dlq")+` WHERE dedup_key = 'other-1'`)
-	rep := clean(retention.Config{})
+	rep := tb.pass(t, retention.Config{})
 	require.Equal(t, []int64{0}, rep.GenerationsDropped)
 	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'x'"), "X forgot M while a letter of it waits to be redriven")
 
-	admin, err := dlq.NewAdmin(dlq.AdminConfig{Schema: tb.env.Schema})
-	require.NoError(t, err)
-	res, err := admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Consumer: "y"}, dlq.RedriveOptions{Rate: rate.Inf})
-	require.NoError(t, err)
-	require.Equal(t, 1, res.Moved)
-	clean(retention.Config{})
+	require.Equal(t, 1, tb.redrive(t, dlq.Filter{Consumer: "y"}))
+	tb.pass(t, retention.Config{})
 
 	// The second redrive's copy reaches X too.
 	x := tb.consumer(t, inbox.Config{Consumer: "x", MaxAttempts: -1})
@@ -196,7 +199,7 @@ func TestAMessageDeadLetteredAgainAfterItsRedriveIsRememberedUntilItsNextRedrive
 
 	// Once InboxRetention has passed since the second redrive, the record goes.
 	tb.exec(t, `UPDATE `+tb.env.Q("txbox_redrive")+` SET redriven_at = now() - interval '9 days'`)
-	require.Equal(t, int64(1), clean(retention.Config{}).RedrivesDeleted)
+	require.Equal(t, int64(1), tb.pass(t, retention.Config{}).RedrivesDeleted)
 }
 
 // A redriven message that Kafka refuses comes back to the DLQ as a relay letter. Kafka refused
@@ -206,27 +209,16 @@ func TestAMessageDeadLetteredAgainAfterItsRedriveIsRememberedUntilItsNextRedrive
 func TestARedrivenMessageRefusedAgainIsRememberedUntilItsNextRedrive(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
-	ctx := context.Background()
-	clean := func(cfg retention.Config) retention.Report {
-		t.Helper()
-		rep, err := tb.cleaner(t, cfg).RunOnce(ctx)
-		require.NoError(t, err)
-		return rep
-	}
 	// X processed M thirty days ago; M was redriven twenty days ago, and Kafka refused the copy.
 	tb.inbox(t, "x", "m", "done", 1, 30*day)
-	tb.exec(t, `INSERT INTO `+tb.env.Q("txbox_redrive")+` (message_uuid, topic, redriven_at) VALUES ('m-1', 'orders', now() - interval '20 days')`)
+	tb.redriven(t, "m-1", 20*day)
 	tb.letter(t, "relay", "", "m-1", 20*day)
-	rep := clean(rotating)
+	rep := tb.pass(t, rotating)
 	require.InDelta(t, (20 * day).Seconds(), rep.OldestLetterAge.Seconds(), 60)
 	require.Equal(t, 1, tb.count(t, "txbox_inbox", "consumer = 'x'"), "X forgot M while a letter of it waits to be redriven")
 
-	admin, err := dlq.NewAdmin(dlq.AdminConfig{Schema: tb.env.Schema})
-	require.NoError(t, err)
-	res, err := admin.Redrive(ctx, tb.env.Pool, dlq.Filter{Source: dlq.SourceRelay}, dlq.RedriveOptions{Rate: rate.Inf})
-	require.NoError(t, err)
-	require.Equal(t, 1, res.Moved)
-	clean(retention.Config{})
+	require.Equal(t, 1, tb.redrive(t, dlq.Filter{Source: dlq.SourceRelay}))
+	tb.pass(t, retention.Config{})
 	x := tb.consumer(t, inbox.Config{Consumer: "x", MaxAttempts: -1})
 	require.NoError(t, x.deliver("m-1"))
 	require.Zero(t, x.runs("m-1"), "X processed M twice")
