@@ -141,6 +141,8 @@ const warmShare = 10
 //     (watermill-kafka's marshaler, keyed), as fast as it takes them.
 //   - watermill-forwarder: Watermill's outbox.
 //   - txbox: the relay with its defaults (transactional Kafka sink, 16 shards, batches of 500).
+//   - txbox-no-broker: the same relay with a sink that sends nothing: its database work alone
+//     (reads and fenced completions), the most any broker could leave it.
 func BenchmarkRelayDrainWarm(b *testing.B) {
 	b.Run("raw-idempotent-producer", func(b *testing.B) {
 		topic := kafkatest.Topic(b)
@@ -181,6 +183,14 @@ func BenchmarkRelayDrainWarm(b *testing.B) {
 		stop()
 		requireRecords(b, topic, b.N)
 	})
+	b.Run("txbox-no-broker", func(b *testing.B) {
+		o := newTxboxOutbox(b, newEnv(b))
+		writeInChunks(b, o.env, messages(b.N, true), prefillChunk, o.publish(kafkatest.Topic(b)))
+		published, stop := startRelay(b, o.env, discardSink{})
+		drainWarm(b, "the relay", published)
+		stop()
+		requireDrained(b, o.env)
+	})
 }
 
 // drainWarm times a running pipeline from when moved first reaches a tenth of the backlog until
@@ -210,7 +220,9 @@ func drainWithRelay(b *testing.B, sink func(*txtest.Env) relay.Sink) {
 // BenchmarkInboxDedup measures one handler goroutine behind the inbox middleware; the handler
 // inserts one business row. The baseline is the same handler in a plain transaction, without
 // deduplication. inbox-fresh-no-attempt-count turns off the durable attempt counter (MaxAttempts
-// < 0), whose own small transaction per delivery is what bounds poison messages.
+// < 0), whose own small transaction per delivery is what bounds poison messages. The sql-floor
+// variants are bounds, not txbox: the least SQL any inbox adds to the handler's transaction, written
+// by hand (benchFloor).
 func BenchmarkInboxDedup(b *testing.B) {
 	b.Run("plain-tx", func(b *testing.B) {
 		env := newEffectsEnv(b)
@@ -229,6 +241,51 @@ func BenchmarkInboxDedup(b *testing.B) {
 	b.Run("inbox-fresh", func(b *testing.B) { benchInbox(b, inbox.DefaultMaxAttempts, false) })
 	b.Run("inbox-fresh-no-attempt-count", func(b *testing.B) { benchInbox(b, -1, false) })
 	b.Run("inbox-duplicate", func(b *testing.B) { benchInbox(b, inbox.DefaultMaxAttempts, true) })
+	b.Run("sql-floor-row", func(b *testing.B) { benchFloor(b, false) })
+	b.Run("sql-floor-row-and-marker", func(b *testing.B) { benchFloor(b, true) })
+}
+
+// benchFloor runs BenchmarkInboxDedup's handler in the transaction any inbox must make, in plain
+// SQL: the business row plus a row keyed by the message that settles it, inserted in the round trip
+// that begins the transaction. With marker, a crash marker goes first in that round trip, in a
+// transaction of its own committed without waiting for its WAL, and the handler's transaction
+// deletes it: the least that counts an attempt which crashes its process. Against plain-tx, it
+// bounds what the inbox can reach on the machine.
+func benchFloor(b *testing.B, marker bool) {
+	env := newEffectsEnv(b)
+	ctx := context.Background()
+	for _, table := range []string{"floor_inbox", "floor_attempt"} {
+		if _, err := env.Pool.Exec(ctx, "CREATE TABLE "+env.Q(table)+" (consumer text, dedup_key text, PRIMARY KEY (consumer, dedup_key))"); err != nil {
+			b.Fatal(err)
+		}
+	}
+	msgs := messages(b.N, false)
+	b.ResetTimer()
+	for _, m := range msgs {
+		batch := &pgx.Batch{}
+		batch.BeginTx(pgx.TxOptions{})
+		if marker {
+			batch.Queue("SET LOCAL synchronous_commit = off")
+			batch.Queue("INSERT INTO "+env.Q("floor_attempt")+" VALUES ('bench', $1)", m.UUID)
+			batch.Queue("commit")
+			batch.Queue("begin")
+			batch.Queue("DELETE FROM "+env.Q("floor_attempt")+" WHERE consumer = 'bench' AND dedup_key = $1", m.UUID)
+		}
+		batch.Queue("INSERT INTO "+env.Q("floor_inbox")+" VALUES ('bench', $1)", m.UUID)
+		results := env.Pool.SendBatch(ctx, batch)
+		tx := results.Tx()
+		if err := results.Close(); err != nil {
+			b.Fatal(err)
+		}
+		if err := applyEffect(ctx, env, tx, m); err != nil {
+			b.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	reportRate(b, b.N)
 }
 
 // BenchmarkInboxRouter measures fresh messages through a Watermill router, one handler, the way an

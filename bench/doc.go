@@ -22,9 +22,12 @@
 //     beforehand, because connecting to PostgreSQL is a one-off cost that would otherwise dominate
 //     small backlogs.
 //   - RelayDrainWarm: the same, timed from when the first tenth has arrived: the steady rate, against
-//     a raw idempotent sarama producer sending the same records straight to Kafka.
+//     a raw idempotent sarama producer sending the same records straight to Kafka; txbox-no-broker
+//     is the relay with a sink that sends nothing, its database work alone: a bound on any broker.
 //   - InboxDedup: one handler goroutine processing b.N messages through the inbox middleware called
-//     directly, fresh and duplicate, against the same handler in a plain transaction.
+//     directly, fresh and duplicate, against the same handler in a plain transaction; sql-floor-row
+//     and sql-floor-row-and-marker are that transaction with, in plain SQL, the least an inbox adds
+//     (a keyed row, and a crash marker committed before it): bounds, not txbox.
 //   - InboxRouter: fresh messages through a Watermill router (in-memory pub/sub, one handler), the
 //     handler behind the inbox middleware against the bare handler.
 //   - Latency: commit → consumer receive at a steady 500 messages per second, p50 and p99, the relay

@@ -240,6 +240,27 @@ func startRelay(b testing.TB, env *txtest.Env, sink relay.Sink, configure ...fun
 	}
 }
 
+// discardSink publishes nothing and succeeds: a relay with it does only its database work.
+type discardSink struct{}
+
+func (discardSink) Open(context.Context, int, int64) (relay.ShardPublisher, error) {
+	return discardSink{}, nil
+}
+func (discardSink) Publish(context.Context, []relay.Message) error { return nil }
+func (discardSink) Close() error                                   { return nil }
+
+// requireDrained fails b unless env's outbox is empty: every row was completed.
+func requireDrained(b *testing.B, env *txtest.Env) {
+	b.Helper()
+	var left int
+	if err := env.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+env.Q("txbox_outbox")).Scan(&left); err != nil {
+		b.Fatal(err)
+	}
+	if left > 0 {
+		b.Fatalf("%d rows are left in the outbox", left)
+	}
+}
+
 // --- Watermill's outbox: watermill-sql + components/forwarder -----------------------------------
 
 // watermillOutbox is Watermill's documented outbox: producers publish through a forwarder publisher

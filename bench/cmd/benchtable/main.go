@@ -50,6 +50,8 @@ var figures = []figure{
 	{name: "relay drain, warm backlog, defaults (vs raw idempotent producer)",
 		txbox: ref{"RelayDrainWarm/txbox", "msgs/s"}, baseline: ref{"RelayDrainWarm/raw-idempotent-producer", "msgs/s"},
 		goal: goal{minRatio: 0.9}},
+	{name: "bound: the relay's database work alone, warm, no broker (vs raw idempotent producer)",
+		txbox: ref{"RelayDrainWarm/txbox-no-broker", "msgs/s"}, baseline: ref{"RelayDrainWarm/raw-idempotent-producer", "msgs/s"}},
 	{name: "relay drain, warm backlog, defaults (vs Watermill forwarder)",
 		txbox: ref{"RelayDrainWarm/txbox", "msgs/s"}, baseline: ref{"RelayDrainWarm/watermill-forwarder", "msgs/s"}},
 	{name: "relay started on a backlog, start-up counted (vs forwarder)",
@@ -76,6 +78,8 @@ var figures = []figure{
 	{name: "inbox, fresh message through a Watermill router (vs bare handler)",
 		txbox: ref{"InboxRouter/inbox-fresh", "msgs/s"}, baseline: ref{"InboxRouter/bare-handler", "msgs/s"},
 		goal: goal{minRatio: 0.85}},
+	{name: "bound: an inbox row and crash marker in plain SQL (vs plain transaction)",
+		txbox: ref{"InboxDedup/sql-floor-row-and-marker", "msgs/s"}, baseline: ref{"InboxDedup/plain-tx", "msgs/s"}},
 }
 
 // builtin metrics say nothing about a pipeline's speed here: an op is one message or one drain.
