@@ -83,7 +83,8 @@
 // the current one. Two deliveries of one message on either side of a switch could not see each
 // other's uncommitted rows, so each inbox transaction holds the generation table's ROW SHARE lock from
 // its first statement and the switch takes its EXCLUSIVE lock (internal/inboxgen): it waits for the
-// deliveries in flight, and new ones wait behind it. Config.GenerationLockTimeout bounds both waits: a consumer frozen in its
+// deliveries in flight, those of earlier versions too (README, "Retention", on upgrading), and new
+// ones wait behind it. Config.GenerationLockTimeout bounds both waits: a consumer frozen in its
 // handler (holding its transaction open up to inbox.Config.IdleInTransactionTimeout) makes the
 // rotation give up and retry at the next pass, never the other deliveries wait for it.
 //

@@ -392,6 +392,37 @@ func TestGenerationLockWaitIsBoundedByTheInboxLockTimeout(t *testing.T) {
 	require.Equal(t, 1, c.runs("m"))
 }
 
+// Consumers of the versions before the generation lock was a LOCK TABLE (3b1ae55) hold an advisory
+// lock shared while they insert, which the rotation's EXCLUSIVE lock does not wait for. While they
+// still run, as in a rolling upgrade, a rotation waits for them too: otherwise one of their
+// deliveries inserting into the old generation and a delivery of the same message in the new one
+// would both process it.
+func TestARotationWaitsForADeliveryOfAnEarlierVersion(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	quoted, err := sqlname.Schema(tb.env.Schema)
+	require.NoError(t, err)
+	earlier, err := tb.env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer earlier.Rollback(ctx) //nolint:errcheck // The test ends it.
+	// The lock as those versions took it, spelled out: they do not change with this one.
+	_, err = earlier.Exec(ctx, sqlname.Render(`SELECT pg_advisory_xact_lock_shared(1953063522, '{schema}.txbox_inbox'::regclass::oid::int)`, quoted))
+	require.NoError(t, err)
+
+	rep, err := tb.cleaner(t, retention.Config{InboxGeneration: time.Microsecond, GenerationLockTimeout: 200 * time.Millisecond}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.True(t, rep.RotationDeferred, "the rotation waits for the earlier version's delivery in flight")
+	require.False(t, rep.Rotated)
+	require.Equal(t, int64(0), rep.Generation)
+
+	require.NoError(t, earlier.Commit(ctx))
+	rep, err = tb.cleaner(t, rotating).RunOnce(ctx)
+	require.NoError(t, err)
+	require.True(t, rep.Rotated, "once it ended, the next pass rotates")
+	require.Equal(t, int64(1), rep.Generation)
+}
+
 func TestTableSizesSumTheGenerations(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)

@@ -312,7 +312,7 @@ func (c *Cleaner) rotate(ctx context.Context, rep *Report) error {
 		return c.deferred(rep, err)
 	}
 	next := rep.Generation + 1
-	for _, stmt := range append(newGenerationDDL(c.quoted, c.generationTable(next), next), c.sql.lockGenerations) {
+	for _, stmt := range append(newGenerationDDL(c.quoted, c.generationTable(next), next), c.sql.lockGenerations, c.sql.lockEarlierDeliveries) {
 		if _, err := tx.Exec(ctx, stmt); err != nil {
 			return c.deferred(rep, err)
 		}

@@ -10,30 +10,31 @@ import (
 type queries struct {
 	cutoffs, keepRedriven, deleteDone, deleteDead, deleteAttempts, deleteRedrives, deleteCallResults string
 
-	lockGenerationRow, lockGenerations, newGeneration, generations, pendingDetaches, detachedTables,
+	lockGenerationRow, lockGenerations, lockEarlierDeliveries, newGeneration, generations, pendingDetaches, detachedTables,
 	newestInGeneration, recentRedrives, moveDead, moveRedriven string
 }
 
 func renderQueries(schema string) queries {
 	r := func(s string) string { return sqlname.Render(s, schema) }
 	return queries{
-		lockGenerationRow:  r(lockGenerationRowSQL),
-		lockGenerations:    r(lockGenerationsSQL),
-		newGeneration:      r(newGenerationSQL),
-		generations:        r(generationsSQL),
-		pendingDetaches:    r(pendingDetachesSQL),
-		detachedTables:     r(detachedTablesSQL),
-		newestInGeneration: r(newestInGenerationSQL),
-		recentRedrives:     r(recentRedrivesSQL),
-		moveDead:           r(moveDeadSQL),
-		moveRedriven:       r(moveRedrivenSQL),
-		cutoffs:            r(cutoffsSQL),
-		keepRedriven:       r(keepRedrivenSQL),
-		deleteRedrives:     r(deleteRedrivesSQL),
-		deleteDone:         r(deleteDoneSQL),
-		deleteDead:         r(deleteDeadSQL),
-		deleteAttempts:     r(deleteAttemptsSQL),
-		deleteCallResults:  r(deleteCallResultsSQL),
+		lockGenerationRow:     r(lockGenerationRowSQL),
+		lockGenerations:       r(lockGenerationsSQL),
+		lockEarlierDeliveries: r(inboxgen.EarlierDeliveriesLock),
+		newGeneration:         r(newGenerationSQL),
+		generations:           r(generationsSQL),
+		pendingDetaches:       r(pendingDetachesSQL),
+		detachedTables:        r(detachedTablesSQL),
+		newestInGeneration:    r(newestInGenerationSQL),
+		recentRedrives:        r(recentRedrivesSQL),
+		moveDead:              r(moveDeadSQL),
+		moveRedriven:          r(moveRedrivenSQL),
+		cutoffs:               r(cutoffsSQL),
+		keepRedriven:          r(keepRedrivenSQL),
+		deleteRedrives:        r(deleteRedrivesSQL),
+		deleteDone:            r(deleteDoneSQL),
+		deleteDead:            r(deleteDeadSQL),
+		deleteAttempts:        r(deleteAttemptsSQL),
+		deleteCallResults:     r(deleteCallResultsSQL),
 	}
 }
 
@@ -90,7 +91,8 @@ FROM {schema}.txbox_inbox_generation AS g, (SELECT set_config('lock_timeout', $2
 FOR UPDATE OF g`
 
 // lockGenerationsSQL waits until no transaction inserts an inbox row any more, and keeps new ones
-// from starting until the rotation commits (internal/inboxgen); lock_timeout bounds both.
+// from starting until the rotation commits (internal/inboxgen); lock_timeout bounds both. The
+// rotation then does the same for deliveries of earlier versions (inboxgen.EarlierDeliveriesLock).
 const lockGenerationsSQL = inboxgen.RotationLock
 
 const newGenerationSQL = `UPDATE {schema}.txbox_inbox_generation SET generation = $1, started_at = now()`

@@ -21,8 +21,18 @@
 // UPDATE on the table (INSERT is enough from PostgreSQL 16), which the tables' owner has.
 package inboxgen
 
-// DeliveryLock and RotationLock are templates for internal/sqlname.
+// DeliveryLock, RotationLock and EarlierDeliveriesLock are templates for internal/sqlname.
+//
+// Deliveries of the versions before this lock (3b1ae55) held an advisory lock shared instead,
+// which the EXCLUSIVE lock does not wait for: while such consumers run, as in a rolling upgrade, a
+// rotation that took RotationLock alone could switch under one of their deliveries. So a rotation
+// takes EarlierDeliveriesLock too, exclusively, after RotationLock. Consumers of this version do
+// not take the advisory lock: Cleaners of an earlier version, which wait for it alone, must be
+// stopped or upgraded before them (README, "Retention").
 const (
 	DeliveryLock = `LOCK TABLE {schema}.txbox_inbox_generation IN ROW SHARE MODE`
 	RotationLock = `LOCK TABLE {schema}.txbox_inbox_generation IN EXCLUSIVE MODE`
+	// The advisory lock's key is a constant that is txbox's and the inbox table's oid, so that every
+	// schema has a lock of its own.
+	EarlierDeliveriesLock = `SELECT pg_advisory_xact_lock(1953063522, '{schema}.txbox_inbox'::regclass::oid::int)`
 )
