@@ -10,8 +10,8 @@ import (
 type queries struct {
 	cutoffs, keepRedriven, deleteDone, deleteDead, deleteAttempts, deleteRedrives, deleteCallResults string
 
-	lockGenerationRow, lockGenerations, lockEarlierDeliveries, newGeneration, generations, pendingDetaches, detachedTables,
-	newestInGeneration, recentRedrives, moveDead, moveRedriven string
+	lockGenerationRow, lockGenerations, lockEarlierDeliveries, newGeneration, generations,
+	pendingDetaches, detachedTables, newestInGeneration, recentRedrives, moveDead, moveRedriven string
 }
 
 func renderQueries(schema string) queries {
